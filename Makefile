@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` and `make test`. Both create .venv when missing.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.omnistage-installed
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+# Never let the repository root onto sys.path: its folders are subpackages of `omnistage`,
+# and a top-level `kernels` package would break `import transformers`.
+export PYTHONSAFEPATH := 1
+
+.PHONY: install run test clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/omnistage serve --host $(HOST) --port $(PORT)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

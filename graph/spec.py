@@ -1,0 +1,165 @@
+"""Typed, validated form of a pipeline YAML file.
+
+These dataclasses are what every other layer sees: the runtime builds workers from
+StageSpec/EdgeSpec, serving lists PipelineSpec names. The loader (graph/loader.py) is the only
+producer; it attaches a SourcePos to everything so later errors can still point at the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Reserved endpoint names in edges: `from: inputs.text`, `to: outputs.audio`.
+PIPELINE_INPUTS = "inputs"
+PIPELINE_OUTPUTS = "outputs"
+
+PORT_TYPES = (
+    "text",
+    "tokens",
+    "audio",
+    "image",
+    "video",
+    "embeddings",
+    "hidden_states",
+    "latents",
+    "tensor",
+    "json",
+    "any",
+)
+
+BATCHING_POLICIES = ("dynamic", "continuous", "step", "none")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class SourcePos:
+    file: str
+    line: int  # 1-based
+    col: int  # 1-based
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+@dataclass
+class ModelRef:
+    """Where a stage's weights come from.
+
+    `source` is a local path, a hub id (resolved from the local HF cache only: nothing is
+    downloaded at run time), or `tiny:<recipe>` (a built-in random-weight checkpoint built
+    locally with a fixed seed on first use, see omnistage.models.recipes).
+    """
+
+    source: str
+    subfolder: str | None = None
+    prefix: str | None = None  # weight-name prefix to strip/select inside the checkpoint
+    pos: SourcePos | None = None
+
+    @property
+    def is_tiny_recipe(self) -> bool:
+        return self.source.startswith("tiny:")
+
+
+@dataclass
+class PoolSpec:
+    devices: list[str] = field(default_factory=lambda: ["cpu"])
+    replicas: int = 1
+    dtype: str = "float32"
+    threads: int = 1  # torch intra-op threads per worker process
+    memory: str | None = None  # optional budget, e.g. "2GiB" (KV pools size from it)
+
+    def device_for_replica(self, index: int) -> str:
+        return self.devices[index % len(self.devices)]
+
+
+@dataclass
+class BatchingSpec:
+    policy: str = "dynamic"
+    # dynamic / step
+    max_batch_size: int = 8
+    max_wait_ms: float = 2.0
+    # continuous (autoregressive stages)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    # step (denoisers): optional bound on latent tokens per step
+    max_latent_tokens: int | None = None
+    pos: SourcePos | None = None
+
+
+@dataclass
+class StageSpec:
+    name: str
+    kind: str
+    model: ModelRef | None = None
+    pool: PoolSpec = field(default_factory=PoolSpec)
+    batching: BatchingSpec = field(default_factory=BatchingSpec)
+    params: dict[str, Any] = field(default_factory=dict)
+    pos: SourcePos | None = None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    stage: str  # a stage name, or PIPELINE_INPUTS / PIPELINE_OUTPUTS
+    port: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}.{self.port}"
+
+
+@dataclass
+class StreamSpec:
+    chunk: int = 1  # items along dim 0 per delivered chunk
+    left_context: int = 0  # items of the previous chunk repeated at the head of the next
+
+
+@dataclass
+class EdgeSpec:
+    src: Endpoint
+    dst: Endpoint
+    stream: StreamSpec | None = None
+    max_inflight: int | None = None
+    pos: SourcePos | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.stream is not None
+
+
+@dataclass
+class PipelineSpec:
+    name: str
+    inputs: dict[str, str]  # port name -> port type
+    outputs: dict[str, str]
+    stages: dict[str, StageSpec]
+    edges: list[EdgeSpec]
+    description: str = ""
+    source: Path | None = None
+    # Request intake bound (admission control) and default per-request deadline.
+    max_queued_requests: int = 256
+    default_deadline_s: float | None = None
+
+    def in_edges(self, stage: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.dst.stage == stage]
+
+    def out_edges(self, stage: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.src.stage == stage]
+
+    def topo_order(self) -> list[str]:
+        """Stage names in dependency order (the loader has already rejected cycles)."""
+        indeg = {name: 0 for name in self.stages}
+        for e in self.edges:
+            if e.dst.stage in indeg and e.src.stage in indeg:
+                indeg[e.dst.stage] += 1
+        order: list[str] = []
+        ready = [n for n, d in indeg.items() if d == 0]
+        while ready:
+            n = ready.pop(0)
+            order.append(n)
+            for e in self.out_edges(n):
+                if e.dst.stage in indeg:
+                    indeg[e.dst.stage] -= 1
+                    if indeg[e.dst.stage] == 0:
+                        ready.append(e.dst.stage)
+        return order

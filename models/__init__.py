@@ -1,0 +1,1 @@
+"""Model resolution: local paths, hub ids (local cache only) and built-in tiny recipes."""

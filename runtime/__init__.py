@@ -1,0 +1,1 @@
+"""Embedded runtime: worker processes, shared-memory transport, orchestration, Pipeline API."""

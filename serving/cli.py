@@ -1,0 +1,91 @@
+"""`omnistage` command line: serve, validate, schema, graph, bench.
+
+Each subcommand imports its implementation lazily so `omnistage validate` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a value, e.g. --set stages.llm.pool.devices=[cuda:0]",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the HTTP server on one or more pipelines")
+    p.add_argument("configs", nargs="*", help="pipeline YAML files or names under configs/")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    _add_overrides(p)
+
+    p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
+    p.add_argument("file")
+    _add_overrides(p)
+
+    sub.add_parser("schema", help="print the JSON Schema of the pipeline format")
+
+    p = sub.add_parser("graph", help="draw a pipeline's DAG (mermaid, dot, or png)")
+    p.add_argument("file")
+    p.add_argument("--format", choices=["mermaid", "dot", "png"], default="mermaid")
+    p.add_argument("-o", "--output", help="output file (required for png)")
+    _add_overrides(p)
+
+    p = sub.add_parser("bench", help="benchmarks: runtime, ar, diffusion")
+    p.add_argument("which", choices=["runtime", "ar", "diffusion"])
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from omnistage.serving.server import serve
+
+        return serve(args.configs, host=args.host, port=args.port, overrides=args.overrides,
+                     drain_timeout=args.drain_timeout) or 0
+    if args.command == "validate":
+        from omnistage.graph.loader import PipelineValidationError, load_pipeline
+
+        try:
+            spec = load_pipeline(args.file, overrides=args.overrides)
+        except PipelineValidationError as err:
+            for line in err.problems:
+                print(line, file=sys.stderr)
+            return 2
+        print(f"{args.file}: ok ({spec.name}: {len(spec.stages)} stages, {len(spec.edges)} edges)")
+        return 0
+    if args.command == "schema":
+        import json
+
+        from omnistage.graph.schema import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    if args.command == "graph":
+        from omnistage.graph.draw import draw_command
+
+        return draw_command(args.file, args.format, args.output, args.overrides)
+    if args.command == "bench":
+        import importlib
+
+        module = importlib.import_module(f"omnistage.bench.{args.which}")
+        rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+        return module.main(rest) or 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

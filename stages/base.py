@@ -1,0 +1,148 @@
+"""The one engine protocol every stage kind implements.
+
+A worker process hosts one engine and loops: take new requests, chunks and aborts ->
+`step()` -> send the returned emissions along the stage's out-edges. How messages move
+between processes (transport) is not the engine's business: engines see plain Python
+objects and CPU/GPU tensors.
+
+Batching policies are engine shapes:
+- dynamic: each request finishes in the one step that batches it (encoders, VAE, vocoder).
+- continuous: an autoregressive engine steps every running sequence once per step.
+- step: a denoiser advances every active request by one sampler step per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Port:
+    """A typed input or output port of a stage kind.
+
+    type: one of omnistage.graph.spec.PORT_TYPES.
+    streaming: on an input, the stage accepts chunks through `feed()` while the request runs
+        (a streaming edge may only end at such a port); on an output, the stage may emit the
+        port in several chunks (concatenated along dim 0 for non-streaming consumers).
+    optional: an input that need not be connected.
+    """
+
+    type: str
+    streaming: bool = False
+    optional: bool = False
+
+
+@dataclass
+class StageContext:
+    """Everything an engine needs to build itself inside its worker process."""
+
+    stage_name: str
+    kind: str
+    model_path: str | None  # resolved local directory (or file), None if the kind needs none
+    model_subfolder: str | None
+    model_prefix: str | None
+    device: torch.device
+    dtype: torch.dtype
+    batching: Any  # omnistage.graph.spec.BatchingSpec
+    params: dict[str, Any]
+    replica_index: int = 0
+
+
+@dataclass
+class StageRequest:
+    request_id: str
+    inputs: dict[str, Any]  # port name -> value (non-streaming inputs, complete)
+    params: dict[str, Any] = field(default_factory=dict)  # this stage's per-request params
+    deadline: float | None = None  # time.time() seconds; engines may drop late requests
+    arrival: float = field(default_factory=time.time)
+
+
+@dataclass
+class Emission:
+    """What a step produced for one request.
+
+    outputs holds chunks for some output ports (may be empty, e.g. a progress-only step).
+    finished=True is the request's last emission from this stage. error set => the request
+    failed in this stage (finished is implied); other requests are unaffected.
+    progress: optional (done, total) for long requests (denoising step i of n).
+    """
+
+    request_id: str
+    outputs: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    error: str | None = None
+    progress: tuple[int, int] | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step's shape, kept by engines for metrics and for tests that prove batching."""
+
+    request_ids: tuple[str, ...]
+    batch_size: int
+    duration_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StageEngine:
+    """Base class of every stage kind. Subclasses register with @register_stage("kind").
+
+    Class attributes declare the ports (used by YAML validation without building anything)
+    and the batching policies the kind supports. `ports(params)` may refine them from params.
+    """
+
+    kind: ClassVar[str] = ""
+    inputs: ClassVar[dict[str, Port]] = {}
+    outputs: ClassVar[dict[str, Port]] = {}
+    batching_policies: ClassVar[tuple[str, ...]] = ("dynamic", "none")
+    needs_model: ClassVar[bool] = False
+
+    def __init__(self, ctx: StageContext):
+        self.ctx = ctx
+        self.step_log: list[StepRecord] = []  # bounded by the worker (keeps the last N)
+
+    @classmethod
+    def ports(cls, params: dict[str, Any]) -> tuple[dict[str, Port], dict[str, Port]]:
+        return dict(cls.inputs), dict(cls.outputs)
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> list[str]:
+        """Problems with stage-level params from the YAML (messages, no positions)."""
+        return []
+
+    # -- the protocol ---------------------------------------------------------------------
+    def add(self, request: StageRequest) -> None:
+        raise NotImplementedError
+
+    def feed(self, request_id: str, port: str, chunk: Any, last: bool) -> None:
+        """A chunk for a streaming input port of a request already added."""
+        raise NotImplementedError(f"stage kind {self.kind!r} takes no streaming input")
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def step(self) -> list[Emission]:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        """True when step() would make progress now."""
+        raise NotImplementedError
+
+    def num_requests(self) -> int:
+        raise NotImplementedError
+
+    def next_wakeup(self) -> float | None:
+        """Seconds until the engine wants step() even without new input (dynamic batching's
+        max_wait); None = only on new input."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float]:
+        """Engine-specific gauges/counters for /metrics (e.g. kv_blocks_free, prefix_hits)."""
+        return {}

@@ -1,0 +1,1 @@
+"""omnistage.streaming"""
