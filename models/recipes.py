@@ -26,7 +26,12 @@ from omnistage.errors import InvalidRequestError
 RecipeBuilder = Callable[[Path], None]
 
 # recipe name -> module that registers it. Add a line when you add a recipe.
-RECIPE_MODULES: dict[str, str] = {}
+RECIPE_MODULES: dict[str, str] = {
+    "tiny-llm": "omnistage.models.tiny_llm",
+    "tiny-sd3": "omnistage.models.tiny_diffusion",
+    "tiny-flux": "omnistage.models.tiny_diffusion",
+    "tiny-wan": "omnistage.models.tiny_wan",
+}
 
 _RECIPES: dict[str, tuple[RecipeBuilder, str]] = {}
 

@@ -75,6 +75,8 @@ class Emission:
     outputs: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     error: str | None = None
+    # "invalid_request": the request's own fault (HTTP 400); "internal": the stage failed (500).
+    error_kind: str = "internal"
     progress: tuple[int, int] | None = None
 
 
