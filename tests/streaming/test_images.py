@@ -99,6 +99,6 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="format"):
         encode_image(np.zeros((4, 4, 3), np.uint8), "gif")
     with pytest.raises(ValueError, match="channels"):
-        encode_image(np.zeros((4, 4, 5), np.uint8), "png")
+        encode_image(np.zeros((6, 7, 5), np.uint8), "png")
     with pytest.raises(ValueError, match=r"\[0, 255\]"):
         encode_image(np.full((4, 4, 3), 300, np.int32), "png")
