@@ -1,0 +1,350 @@
+"""The adapter interface between the generic diffusion stages and one model family.
+
+The three diffusion stages (text_encoder, denoiser, vae_decoder) and the step engine know
+nothing about SD3, FLUX or Wan. Everything family-specific sits behind three small adapter
+classes, one per stage, registered per family in `adapters/__init__.py`:
+
+- TextEncoderAdapter.encode(prompts, max_sequence_length) -> EncodedPrompts, batched over
+  every prompt (positive and negative) of every request in a text-encoder step.
+- DenoiserAdapter: turns one request (GenerationParams + TextConditioning) into a DenoiseState
+  (its own latents, generator, scheduler copy and per-row conditioning), runs ONE transformer
+  forward for a list of states that share a bucket, and hands back VAE-layout latents.
+- VaeAdapter: latents -> pixels ([n, H, W, 3] images or [n, F, H, W, 3] video), optionally in
+  chunks along the first output axis (video frames) so the first chunk leaves early.
+
+Data crossing stage boundaries (see docs/diffusion.md):
+  text_encoder -> denoiser: `prompt_embeds` [R, S, D] and `pooled_prompt_embeds` [R, P]
+      (optional), plus `prompt_mask` [R, S] for families that use one; R = 1 (prompt) or
+      2 (prompt, negative prompt) - row 0 is always the prompt. One row per PROMPT: the
+      denoiser repeats it num_images_per_prompt times, as diffusers does.
+  denoiser -> vae_decoder: `latents` in the VAE's layout ([n, C, h, w] or [n, C, f, h, w]),
+      not yet un-scaled (the VAE adapter applies scaling/shift factors from its own config).
+Every stage receives the same per-request generation params (GenerationParams.from_dict keys)
+under its own stage name and reads what it needs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Hashable, Iterator
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+
+# -- request parameters -----------------------------------------------------------------------
+
+_PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "prompt": (str,),
+    "negative_prompt": (str, type(None)),
+    "width": (int, type(None)),
+    "height": (int, type(None)),
+    "num_frames": (int, type(None)),
+    "num_inference_steps": (int, type(None)),
+    "guidance_scale": (int, float, type(None)),
+    "true_cfg_scale": (int, float, type(None)),
+    "seed": (int, type(None)),
+    "num_images_per_prompt": (int,),
+    "max_sequence_length": (int, type(None)),
+    "output_type": (str,),
+}
+OUTPUT_TYPES = ("uint8", "float")
+
+
+@dataclass
+class GenerationParams:
+    """One request's generation parameters, named as the diffusers pipelines name them.
+
+    None means "the family's default" (resolved by the adapter). `output_type`: "uint8"
+    (default, [0,255] pixels) or "float" ([0,1] float32 pixels, what diffusers' "np" gives).
+    Unknown keys are kept in `extra` (families may read them, e.g. Wan's flow_shift).
+    """
+
+    prompt: str = ""
+    negative_prompt: str | None = None
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: int | None = None
+    num_images_per_prompt: int = 1
+    max_sequence_length: int | None = None
+    output_type: str = "uint8"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> GenerationParams:
+        """Parse and check the family-independent rules; raise InvalidRequestError."""
+        raw = dict(raw or {})
+        known: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key not in _PARAM_TYPES:
+                extra[key] = value
+                continue
+            types = _PARAM_TYPES[key]
+            if isinstance(value, bool) or not isinstance(value, types):
+                if float in types and isinstance(value, int) and not isinstance(value, bool):
+                    pass
+                else:
+                    raise InvalidRequestError(
+                        f"{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
+                        f"got {value!r}",
+                        param=key,
+                    )
+            known[key] = value
+        p = cls(**known, extra=extra)
+        if p.num_inference_steps is not None and p.num_inference_steps < 1:
+            raise InvalidRequestError(
+                f"num_inference_steps must be >= 1, got {p.num_inference_steps}", param="num_inference_steps"
+            )
+        if p.num_images_per_prompt < 1:
+            raise InvalidRequestError(
+                f"num_images_per_prompt must be >= 1, got {p.num_images_per_prompt}", param="num_images_per_prompt"
+            )
+        for key in ("guidance_scale", "true_cfg_scale"):
+            value = getattr(p, key)
+            if value is not None and (value < 0 or not math.isfinite(value)):
+                raise InvalidRequestError(f"{key} must be a finite number >= 0, got {value}", param=key)
+        for key in ("width", "height", "num_frames", "max_sequence_length"):
+            value = getattr(p, key)
+            if value is not None and value < 1:
+                raise InvalidRequestError(f"{key} must be >= 1, got {value}", param=key)
+        if p.output_type not in OUTPUT_TYPES:
+            raise InvalidRequestError(
+                f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {p.output_type!r}", param="output_type"
+            )
+        return p
+
+    def resolved_seed(self) -> int:
+        """The seed this request draws its latents with (a fresh one when none was given)."""
+        if self.seed is None:
+            self.seed = random.randrange(2**63)
+        return self.seed
+
+
+# -- text encoder -----------------------------------------------------------------------------
+
+
+@dataclass
+class EncodedPrompts:
+    """Output of TextEncoderAdapter.encode for a list of prompts, row i = prompt i."""
+
+    embeds: torch.Tensor  # [B, S, D]
+    pooled: torch.Tensor | None = None  # [B, P]
+    mask: torch.Tensor | None = None  # [B, S]
+    warnings: list[list[str]] = field(default_factory=list)  # per prompt (truncation notices)
+
+
+class TextEncoderAdapter:
+    """Encodes prompts for one family. Rows must not depend on their batch mates."""
+
+    family: ClassVar[str] = ""
+
+    def __init__(self, components: dict[str, Any], device: torch.device, dtype: torch.dtype):
+        self.components = components
+        self.device = device
+        self.dtype = dtype
+
+    # component names (keys of model_index.json) this adapter loads
+    component_names: ClassVar[tuple[str, ...]] = ()
+
+    def default_max_sequence_length(self) -> int:
+        raise NotImplementedError
+
+    def max_allowed_sequence_length(self) -> int:
+        return 512
+
+    def uses_negative_prompt(self, params: GenerationParams) -> bool:
+        """Whether this request needs the negative prompt encoded (row 1)."""
+        raise NotImplementedError
+
+    def encode(self, prompts: list[str], max_sequence_length: int) -> EncodedPrompts:
+        raise NotImplementedError
+
+
+# -- denoiser ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TextConditioning:
+    """What the denoiser receives from the text encoder for one request (rows: prompt[, negative])."""
+
+    embeds: torch.Tensor  # [R, S, D]
+    pooled: torch.Tensor | None = None  # [R, P]
+    mask: torch.Tensor | None = None  # [R, S]
+
+    @property
+    def has_negative(self) -> bool:
+        return self.embeds.shape[0] > 1
+
+
+@dataclass
+class DenoiseState:
+    """One request inside the step engine: everything it needs between steps.
+
+    `rows` is how many samples this request adds to a transformer forward
+    (num_images * 2 with classifier-free guidance in the same forward, else num_images);
+    `row_inputs` holds tensors with `rows` leading rows that the adapter concatenates across
+    the batch; `shared` holds tensors that every member of the bucket has identical (rope ids).
+    """
+
+    request_id: str
+    params: GenerationParams
+    latents: torch.Tensor  # [n, ...] in the transformer's layout (packed for FLUX)
+    scheduler: Any  # this request's own scheduler copy (timesteps set, step index advancing)
+    timesteps: torch.Tensor  # [T]
+    generator: torch.Generator
+    bucket: Hashable  # requests with equal buckets can share one forward
+    rows: int
+    tokens_per_row: int  # latent tokens per row (for max_latent_tokens budgets)
+    row_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
+    guidance: float = 1.0  # CFG scale applied when do_cfg
+    do_cfg: bool = False
+    step_index: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_step_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # adapter-private
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= self.total_steps
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.timesteps[self.step_index]
+
+    @property
+    def cost(self) -> int:
+        return self.rows * self.tokens_per_row
+
+
+class DenoiserAdapter:
+    """One family's denoising: request preparation, one batched forward, scheduler step.
+
+    Subclasses implement `prepare`, `model_forward` and `finish`; `forward` and `step` are
+    shared. Contract the step engine relies on: a state's result never depends on which other
+    states share its forward (each owns its generator and scheduler), and states with equal
+    `bucket` can always be passed to one `forward` call together.
+    """
+
+    family: ClassVar[str] = ""
+    component_names: ClassVar[tuple[str, ...]] = ("transformer", "scheduler", "vae")
+
+    def __init__(self, components: dict[str, Any], device: torch.device, dtype: torch.dtype):
+        self.components = components
+        self.device = device
+        self.dtype = dtype
+        self.transformer = components["transformer"]
+        self.scheduler_template = components["scheduler"]
+
+    # -- per request ----------------------------------------------------------------------
+    def prepare(self, request_id: str, params: GenerationParams, text: TextConditioning) -> DenoiseState:
+        """Validate family rules (raise InvalidRequestError), draw latents with the request's
+        own generator, give it its own scheduler with timesteps set."""
+        raise NotImplementedError
+
+    def finish(self, state: DenoiseState) -> torch.Tensor:
+        """Final latents in the VAE's layout."""
+        raise NotImplementedError
+
+    # -- per step -------------------------------------------------------------------------
+    def model_forward(self, states: list[DenoiseState]) -> torch.Tensor:
+        """ONE transformer call over all rows of `states` (same bucket), per-row timesteps.
+        Returns the raw model output with sum(state.rows) rows, in state order."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward(self, states: list[DenoiseState]) -> list[torch.Tensor]:
+        """Guided model output per state, shaped like state.latents."""
+        out = self.model_forward(states)
+        results: list[torch.Tensor] = []
+        offset = 0
+        for s in states:
+            part = out[offset : offset + s.rows]
+            offset += s.rows
+            results.append(self.guide(s, part))
+        return results
+
+    def guide(self, state: DenoiseState, out: torch.Tensor) -> torch.Tensor:
+        """Classifier-free guidance: rows are [uncond x n, cond x n] when state.do_cfg."""
+        if not state.do_cfg:
+            return out
+        uncond, cond = out.chunk(2)
+        return uncond + state.guidance * (cond - uncond)
+
+    def step(self, state: DenoiseState, model_output: torch.Tensor) -> None:
+        """Advance one request by one sampler step with its own scheduler."""
+        t = state.timestep
+        state.latents = state.scheduler.step(
+            model_output, t, state.latents, generator=state.generator, return_dict=False
+        )[0]
+        state.step_index += 1
+
+    # -- helpers for subclasses -----------------------------------------------------------
+    def new_scheduler(self, num_inference_steps: int, **set_timesteps_kwargs: Any):
+        """A private scheduler copy with its timesteps set (device: where latents live)."""
+        sched = type(self.scheduler_template).from_config(self.scheduler_template.config)
+        sched.set_timesteps(num_inference_steps, device=self.device, **set_timesteps_kwargs)
+        if hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(0)
+        return sched
+
+    def draw_latents(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """As diffusers' randn_tensor with a CPU generator: drawn on the CPU, then moved."""
+        return torch.randn(shape, generator=generator, device="cpu", dtype=self.dtype).to(self.device)
+
+    @staticmethod
+    def make_generator(params: GenerationParams) -> torch.Generator:
+        return torch.Generator("cpu").manual_seed(params.resolved_seed())
+
+
+# -- VAE --------------------------------------------------------------------------------------
+
+
+class VaeAdapter:
+    """Latents -> pixels for one family.
+
+    `decode_batch` decodes latents of several requests stacked along dim 0 (same shape) and
+    returns float pixels in [0, 1], channels last. `decode_chunks` may instead yield one
+    request's output in pieces along its first output axis (frames), for streaming video;
+    the default yields everything at once.
+    """
+
+    family: ClassVar[str] = ""
+    component_names: ClassVar[tuple[str, ...]] = ("vae",)
+    output_port: ClassVar[str] = "image"
+
+    def __init__(self, components: dict[str, Any], device: torch.device, dtype: torch.dtype, options: dict[str, Any]):
+        self.components = components
+        self.device = device
+        self.dtype = dtype
+        self.options = options  # stage params (tiling, chunking knobs)
+        self.vae = components["vae"]
+
+    def batch_key(self, latents: torch.Tensor, params: GenerationParams) -> Hashable | None:
+        """Requests with equal non-None keys decode in one batched call; None = alone, chunked."""
+        return tuple(latents.shape[1:])
+
+    def decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_chunks(self, latents: torch.Tensor, params: GenerationParams) -> Iterator[torch.Tensor]:
+        yield self.decode_batch(latents)
+
+
+def to_output(pixels: torch.Tensor, output_type: str) -> torch.Tensor:
+    """[0,1] float pixels -> the requested output type (uint8 rounds as diffusers' numpy_to_pil)."""
+    if output_type == "float":
+        return pixels.float().cpu().contiguous()
+    return (pixels.float() * 255).round().clamp(0, 255).to(torch.uint8).cpu().contiguous()

@@ -1,0 +1,261 @@
+"""Step-level continuous batching for denoisers.
+
+Every request is a DenoiseState with its own latents, generator and scheduler copy. One call
+to `StepEngine.step()` runs ONE transformer forward for a group of requests from the same
+bucket (equal latent shape / conditioning length / model), each at its own timestep, then
+advances each of them by one scheduler step. Requests join and leave between steps.
+
+Bucket policy (weighted fair queueing over latent-token work):
+- each bucket carries a virtual time; the bucket with the smallest one is served next
+  (ties: the bucket whose oldest request arrived first);
+- serving a bucket adds the work of that forward (rows x latent tokens) to its virtual time,
+  so a bucket of 4x bigger latents is served ~1/4 as often: buckets share denoiser time
+  equally, a big request never holds small ones behind it (no head-of-line blocking);
+- a bucket that becomes active starts at the smallest virtual time among active buckets (the
+  system's virtual clock), so it cannot starve others by arriving with an old credit, and it
+  is never starved: virtual times only grow, and the minimum is always served.
+Within a bucket, requests join the forward in arrival order under the per-step budget
+(max_batch_size images and optionally max_latent_tokens); the oldest request always fits.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import StepRecord
+from omnistage.stages.diffusion.adapters.base import DenoiserAdapter, DenoiseState
+
+
+@dataclass
+class StepEvent:
+    """What one step did for one request."""
+
+    request_id: str
+    progress: tuple[int, int]
+    finished: bool = False
+    latents: torch.Tensor | None = None  # VAE-layout latents when finished
+    error: str | None = None
+    error_kind: str = "internal"
+
+
+@dataclass
+class _Bucket:
+    key: Hashable
+    states: list[DenoiseState] = field(default_factory=list)
+    vtime: float = 0.0
+    forwards: int = 0
+
+
+class StepEngine:
+    def __init__(
+        self,
+        adapter: DenoiserAdapter,
+        max_batch_size: int = 8,
+        max_latent_tokens: int | None = None,
+        step_log_limit: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.adapter = adapter
+        self.max_batch_size = max_batch_size
+        self.max_latent_tokens = max_latent_tokens
+        self.step_log: list[StepRecord] = []
+        self.step_log_limit = step_log_limit
+        self.clock = clock
+        self._buckets: dict[Hashable, _Bucket] = {}
+        self._index: dict[str, DenoiseState] = {}
+        self._vclock = 0.0
+        self._stepping = False
+        self._deferred_aborts: set[str] = set()
+        self.completed = 0
+        self.aborted = 0
+
+    # -- membership -----------------------------------------------------------------------
+    def add(self, state: DenoiseState) -> None:
+        if state.request_id in self._index:
+            raise ValueError(f"request {state.request_id!r} is already in the engine")
+        bucket = self._buckets.get(state.bucket)
+        if bucket is None:
+            bucket = self._buckets[state.bucket] = _Bucket(state.bucket)
+        if not bucket.states:  # (re)activated: start at the system's virtual clock
+            bucket.vtime = max(bucket.vtime, self._system_vtime())
+        bucket.states.append(state)
+        self._index[state.request_id] = state
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request; takes effect now, or at the end of a step in progress."""
+        if request_id not in self._index:
+            return False
+        if self._stepping:
+            self._deferred_aborts.add(request_id)
+            return True
+        self._remove(request_id)
+        self.aborted += 1
+        return True
+
+    def _remove(self, request_id: str) -> None:
+        state = self._index.pop(request_id, None)
+        if state is None:
+            return
+        bucket = self._buckets.get(state.bucket)
+        if bucket is not None:
+            bucket.states = [s for s in bucket.states if s.request_id != request_id]
+            if not bucket.states:
+                # keep the vtime for a later re-activation; forget empty buckets when many
+                if len(self._buckets) > 64:
+                    del self._buckets[bucket.key]
+        # free the request's tensors now rather than when the state is collected
+        state.latents = None  # type: ignore[assignment]
+        state.row_inputs = {}
+        state.shared = {}
+
+    def has_work(self) -> bool:
+        return bool(self._index)
+
+    def num_requests(self) -> int:
+        return len(self._index)
+
+    def request_ids(self) -> list[str]:
+        return list(self._index)
+
+    def state(self, request_id: str) -> DenoiseState | None:
+        return self._index.get(request_id)
+
+    def stats(self) -> dict[str, float]:
+        active = [b for b in self._buckets.values() if b.states]
+        return {
+            "requests": float(len(self._index)),
+            "buckets_active": float(len(active)),
+            "completed": float(self.completed),
+            "aborted": float(self.aborted),
+        }
+
+    # -- scheduling -----------------------------------------------------------------------
+    def _system_vtime(self) -> float:
+        active = [b.vtime for b in self._buckets.values() if b.states]
+        return min(active) if active else self._vclock
+
+    def pick_bucket(self) -> _Bucket | None:
+        active = [b for b in self._buckets.values() if b.states]
+        if not active:
+            return None
+        return min(active, key=lambda b: (b.vtime, b.states[0].arrival))
+
+    def pick_batch(self, bucket: _Bucket) -> list[DenoiseState]:
+        batch: list[DenoiseState] = []
+        images = 0
+        tokens = 0
+        for s in bucket.states:  # arrival order
+            n = int(s.latents.shape[0])
+            if batch and images + n > self.max_batch_size:
+                break
+            if batch and self.max_latent_tokens is not None and tokens + s.cost > self.max_latent_tokens:
+                break
+            batch.append(s)
+            images += n
+            tokens += s.cost
+        return batch
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        bucket = self.pick_bucket()
+        if bucket is None:
+            return []
+        batch = self.pick_batch(bucket)
+        self._stepping = True
+        try:
+            events = self._run(batch, bucket)
+        finally:
+            self._stepping = False
+        for rid in self._deferred_aborts:
+            self._remove(rid)
+            self.aborted += 1
+        dropped = self._deferred_aborts
+        self._deferred_aborts = set()
+        return [e for e in events if e.request_id not in dropped]
+
+    def _run(self, batch: list[DenoiseState], bucket: _Bucket) -> list[StepEvent]:
+        t0 = self.clock()
+        now = time.monotonic()
+        for s in batch:
+            if s.first_step_at is None:
+                s.first_step_at = now
+        step_indices = [s.step_index for s in batch]
+        timesteps = [float(s.timestep) for s in batch]
+        failed: dict[str, BaseException] = {}
+        try:
+            outputs = self.adapter.forward(batch)
+            for s, out in zip(batch, outputs):
+                self.adapter.step(s, out)
+        except Exception:  # noqa: BLE001 - isolate the culprit: retry each request alone
+            outputs = None
+            for s in batch:
+                if s.step_index != step_indices[batch.index(s)]:
+                    continue  # already advanced before the failure
+                try:
+                    (out,) = self.adapter.forward([s])
+                    self.adapter.step(s, out)
+                except Exception as exc:  # noqa: BLE001
+                    failed[s.request_id] = exc
+        duration = self.clock() - t0
+        bucket.vtime += sum(s.cost for s in batch)
+        bucket.forwards += 1
+        self._vclock = max(self._vclock, self._system_vtime())
+        self._log(
+            StepRecord(
+                request_ids=tuple(s.request_id for s in batch),
+                batch_size=sum(int(s.latents.shape[0]) for s in batch if s.latents is not None),
+                duration_s=duration,
+                extra={
+                    "bucket": bucket.key,
+                    "rows": sum(s.rows for s in batch),
+                    "step_indices": step_indices,
+                    "timesteps": timesteps,
+                },
+            )
+        )
+        events: list[StepEvent] = []
+        for s in batch:
+            rid = s.request_id
+            if rid in failed:
+                exc = failed[rid]
+                kind = "invalid_request" if isinstance(exc, InvalidRequestError) else "internal"
+                events.append(StepEvent(rid, (s.step_index, s.total_steps), True, None,
+                                        f"{type(exc).__name__}: {exc}", kind))
+                self._remove(rid)
+                continue
+            progress = (s.step_index, s.total_steps)
+            if s.done:
+                try:
+                    latents = self.adapter.finish(s)
+                except Exception as exc:  # noqa: BLE001
+                    events.append(StepEvent(rid, progress, True, None, f"{type(exc).__name__}: {exc}"))
+                else:
+                    events.append(StepEvent(rid, progress, True, latents))
+                    self.completed += 1
+                self._remove(rid)
+            else:
+                events.append(StepEvent(rid, progress))
+        return events
+
+    def _log(self, record: StepRecord) -> None:
+        self.step_log.append(record)
+        if len(self.step_log) > self.step_log_limit:
+            del self.step_log[: len(self.step_log) - self.step_log_limit]
+
+    def run_until_done(self, on_event: Callable[[StepEvent], Any] | None = None) -> dict[str, StepEvent]:
+        """Step until empty (for tests and benchmarks); returns each request's final event."""
+        finals: dict[str, StepEvent] = {}
+        while self.has_work():
+            for ev in self.step():
+                if on_event is not None:
+                    on_event(ev)
+                if ev.finished:
+                    finals[ev.request_id] = ev
+        return finals
