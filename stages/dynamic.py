@@ -1,0 +1,241 @@
+"""Dynamic batching: a reusable engine base for stages that finish a request in one batched call.
+
+Subclasses implement `forward_batch(requests) -> list[result]`, one result per request, each
+    - a dict {output port: value}: the request's whole output (one final emission), or
+    - an Exception: that request failed (InvalidRequestError => error_kind "invalid_request"), or
+    - an iterator of dicts: the output in chunks, one chunk per engine step (the request stays
+      in the engine until the iterator is exhausted; other requests keep batching meanwhile).
+When `forward_batch` raises for a batch of several requests, each member is retried alone,
+so one poisoned request fails by itself while its batch mates complete.
+
+Knobs (BatchingSpec): policy "dynamic" batches up to `max_batch_size` requests and waits at
+most `max_wait_ms` after the oldest ready request for the batch to fill; policy "none" runs
+each request alone at once. `batch_key(request)` keeps incompatible requests (e.g. different
+shapes) out of one batch; the oldest request's key is served first.
+
+Streaming input ports (Port.streaming) are accumulated by `feed()` and concatenated; the
+request becomes ready once every required streaming port has received its last chunk.
+Subclasses wanting per-chunk work override `feed()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Emission, StageContext, StageEngine, StageRequest, StepRecord
+
+Result = "dict[str, Any] | BaseException | Iterator[dict[str, Any]]"
+
+
+def combine_chunks(chunks: list[Any]) -> Any:
+    """Concatenate the chunks of one port: tensors along dim 0, str/bytes joined, lists
+    extended, dicts merged key by key; a single chunk is returned as is."""
+    chunks = [c for c in chunks if c is not None]
+    if not chunks:
+        return None
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    import torch
+
+    if isinstance(first, torch.Tensor):
+        parts = [c if c.dim() > 0 else c.reshape(1) for c in chunks]
+        return torch.cat(parts, dim=0)
+    if isinstance(first, str):
+        return "".join(chunks)
+    if isinstance(first, (bytes, bytearray)):
+        return b"".join(chunks)
+    if isinstance(first, (list, tuple)):
+        out: list[Any] = []
+        for c in chunks:
+            out.extend(c)
+        return out
+    if isinstance(first, dict):
+        keys: list[Any] = []
+        for c in chunks:
+            keys.extend(k for k in c if k not in keys)
+        return {k: combine_chunks([c[k] for c in chunks if k in c]) for k in keys}
+    return chunks[-1]
+
+
+def error_emission(request_id: str, exc: BaseException) -> Emission:
+    kind = "invalid_request" if isinstance(exc, InvalidRequestError) else "internal"
+    return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind=kind)
+
+
+@dataclass
+class _Pending:
+    request: StageRequest
+    streamed: dict[str, list[Any]] = field(default_factory=dict)  # port -> chunks so far
+    closed: set[str] = field(default_factory=set)  # streaming ports whose last chunk came
+    ready_at: float | None = None  # monotonic time it became ready
+
+
+class DynamicBatchEngine(StageEngine):
+    batching_policies = ("dynamic", "none")
+
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        b = ctx.batching
+        policy = getattr(b, "policy", "dynamic")
+        self.max_batch_size = max(1, int(getattr(b, "max_batch_size", 8))) if policy == "dynamic" else 1
+        self.max_wait_s = max(0.0, float(getattr(b, "max_wait_ms", 0.0)) / 1000.0) if policy == "dynamic" else 0.0
+        in_ports, _ = self.ports(ctx.params)
+        self._required_streams = {n for n, p in in_ports.items() if p.streaming and not p.optional}
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._ready: OrderedDict[str, _Pending] = OrderedDict()  # insertion = readiness order
+        self._iterators: OrderedDict[str, Iterator[dict[str, Any]]] = OrderedDict()
+        self.batches_total = 0
+        self.requests_total = 0
+        self.errors_total = 0
+        self.batch_size_max = 0
+
+    # -- what subclasses implement ---------------------------------------------------------
+    def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
+        raise NotImplementedError
+
+    def batch_key(self, request: StageRequest) -> Hashable:
+        return None
+
+    # -- protocol ---------------------------------------------------------------------------
+    def add(self, request: StageRequest) -> None:
+        entry = _Pending(request)
+        self._pending[request.request_id] = entry
+        self._maybe_ready(entry)
+
+    def feed(self, request_id: str, port: str, chunk: Any, last: bool) -> None:
+        entry = self._pending.get(request_id)
+        if entry is None:
+            return  # aborted or unknown: drop
+        entry.streamed.setdefault(port, []).append(chunk)
+        if last:
+            entry.closed.add(port)
+        self._maybe_ready(entry)
+
+    def _maybe_ready(self, entry: _Pending) -> None:
+        waiting = (self._required_streams | set(entry.streamed)) - entry.closed
+        if waiting:
+            return
+        for port, chunks in entry.streamed.items():
+            entry.request.inputs[port] = combine_chunks(chunks)
+        entry.streamed.clear()
+        entry.ready_at = time.monotonic()
+        rid = entry.request.request_id
+        del self._pending[rid]
+        self._ready[rid] = entry
+
+    def abort(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self._ready.pop(request_id, None)
+        it = self._iterators.pop(request_id, None)
+        if it is not None and hasattr(it, "close"):
+            try:
+                it.close()
+            except Exception:  # noqa: BLE001 - a generator failing to close must not kill the loop
+                pass
+
+    def num_requests(self) -> int:
+        return len(self._pending) + len(self._ready) + len(self._iterators)
+
+    def has_work(self) -> bool:
+        if self._iterators:
+            return True
+        if not self._ready:
+            return False
+        if self.max_wait_s <= 0 or len(self._ready) >= self.max_batch_size:
+            return True
+        oldest = next(iter(self._ready.values()))
+        return time.monotonic() - oldest.ready_at >= self.max_wait_s
+
+    def next_wakeup(self) -> float | None:
+        if self._iterators:
+            return 0.0
+        if not self._ready:
+            return None
+        oldest = next(iter(self._ready.values()))
+        return max(0.0, oldest.ready_at + self.max_wait_s - time.monotonic())
+
+    def step(self) -> list[Emission]:
+        emissions: list[Emission] = []
+        for rid in list(self._iterators):
+            emissions.append(self._advance(rid))
+        if self.has_work() and self._ready:
+            emissions.extend(self._run_batch(self._take_batch()))
+        return emissions
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "pending": float(len(self._pending) + len(self._ready)),
+            "streaming_outputs": float(len(self._iterators)),
+            "batches_total": float(self.batches_total),
+            "requests_total": float(self.requests_total),
+            "errors_total": float(self.errors_total),
+            "batch_size_max": float(self.batch_size_max),
+        }
+
+    # -- internals --------------------------------------------------------------------------
+    def _take_batch(self) -> list[StageRequest]:
+        entries = iter(self._ready.values())
+        first = next(entries)
+        key = self.batch_key(first.request)
+        batch = [first.request]
+        for entry in entries:
+            if len(batch) >= self.max_batch_size:
+                break
+            if self.batch_key(entry.request) == key:
+                batch.append(entry.request)
+        for r in batch:
+            del self._ready[r.request_id]
+        return batch
+
+    def _run_batch(self, batch: list[StageRequest]) -> list[Emission]:
+        t0 = time.perf_counter()
+        try:
+            results = list(self.forward_batch(batch))
+            if len(results) != len(batch):
+                raise RuntimeError(f"forward_batch returned {len(results)} results for {len(batch)} requests")
+        except Exception as exc:  # noqa: BLE001 - isolate the failing member(s)
+            if len(batch) == 1:
+                results = [exc]
+            else:
+                results = []
+                for r in batch:
+                    try:
+                        results.extend(self.forward_batch([r])[:1])
+                    except Exception as single_exc:  # noqa: BLE001
+                        results.append(single_exc)
+        self.batches_total += 1
+        self.requests_total += len(batch)
+        self.batch_size_max = max(self.batch_size_max, len(batch))
+        self.step_log.append(
+            StepRecord(tuple(r.request_id for r in batch), len(batch), time.perf_counter() - t0)
+        )
+        emissions = []
+        for request, result in zip(batch, results):
+            rid = request.request_id
+            if isinstance(result, BaseException):
+                self.errors_total += 1
+                emissions.append(error_emission(rid, result))
+            elif isinstance(result, dict):
+                emissions.append(Emission(rid, outputs=result, finished=True))
+            else:
+                self._iterators[rid] = iter(result)
+                emissions.append(self._advance(rid))
+        return emissions
+
+    def _advance(self, rid: str) -> Emission:
+        it = self._iterators[rid]
+        try:
+            chunk = next(it)
+        except StopIteration:
+            del self._iterators[rid]
+            return Emission(rid, finished=True)
+        except Exception as exc:  # noqa: BLE001
+            del self._iterators[rid]
+            self.errors_total += 1
+            return error_emission(rid, exc)
+        return Emission(rid, outputs=dict(chunk or {}))
