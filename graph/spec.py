@@ -69,6 +69,16 @@ class PoolSpec:
     dtype: str = "float32"
     threads: int = 1  # torch intra-op threads per worker process
     memory: str | None = None  # optional budget, e.g. "2GiB" (KV pools size from it)
+    pos: SourcePos | None = None  # where the pool mapping sits in the file (device errors at start)
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """`memory` in bytes ("2GiB" -> 2147483648), None when no budget is set."""
+        if self.memory is None:
+            return None
+        from omnistage.graph.fields import memory_bytes
+
+        return memory_bytes(self.memory)
 
     def device_for_replica(self, index: int) -> str:
         return self.devices[index % len(self.devices)]

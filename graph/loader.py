@@ -1,0 +1,89 @@
+"""Load a pipeline YAML file into a validated PipelineSpec.
+
+    spec = load_pipeline("configs/tiny-llm.yaml", overrides=["stages.llm.pool.threads=2"])
+    spec = load_pipeline("tiny-llm")        # a bare name: <package>/configs/tiny-llm.yaml
+
+Order: parse (positions kept) -> `${VAR:-default}` interpolation -> `--set` overrides ->
+validation. Every problem is collected and raised together as PipelineValidationError,
+each line `FILE:LINE:COL: message`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from omnistage.graph.interpolate import interpolate
+from omnistage.graph.nodes import Problem, parse_yaml
+from omnistage.graph.overrides import apply_overrides
+from omnistage.graph.spec import PipelineSpec, SourcePos
+from omnistage.graph.validate import build_spec
+
+
+class PipelineValidationError(Exception):
+    """A pipeline file with problems; `.problems` holds every `FILE:LINE:COL: message` line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def package_configs_dir() -> Path:
+    import omnistage
+
+    return Path(omnistage.__file__).parent / "configs"
+
+
+def resolve_pipeline_path(path_or_name: str | os.PathLike) -> Path:
+    """A bare name (no slash, no .yaml/.yml suffix) is looked up in the package's configs/."""
+    text = os.fspath(path_or_name)
+    is_bare = "/" not in text and os.sep not in text and not text.endswith((".yaml", ".yml"))
+    if is_bare:
+        return package_configs_dir() / f"{text}.yaml"
+    return Path(text)
+
+
+def load_pipeline(path_or_name: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
+                  *, environ: Mapping[str, str] | None = None) -> PipelineSpec:
+    path = resolve_pipeline_path(path_or_name)
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        hint = ""
+        if path.parent == package_configs_dir():
+            names = sorted(p.stem for p in path.parent.glob("*.yaml"))
+            hint = f"; pipelines under configs/: {', '.join(names) or 'none'}"
+        raise PipelineValidationError([f"{file}:1:1: no such pipeline file{hint}"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PipelineValidationError([f"{file}:1:1: cannot read the file: {exc}"]) from None
+    return load_pipeline_text(text, file, overrides, source=path.resolve(), environ=environ)
+
+
+def load_pipeline_text(text: str, file: str = "<string>", overrides: list[str] | tuple[str, ...] = (),
+                       *, source: Path | None = None,
+                       environ: Mapping[str, str] | None = None) -> PipelineSpec:
+    """Same as load_pipeline for YAML text already in memory (`file` names it in messages)."""
+    root, problems = parse_yaml(text, file)
+    if root is not None:
+        root = interpolate(root, os.environ if environ is None else environ, problems)
+        apply_overrides(root, list(overrides), problems)
+        spec = build_spec(root, file, source, problems)
+    else:
+        spec = None
+    if problems or spec is None:
+        raise PipelineValidationError(_sorted_lines(problems, file))
+    return spec
+
+
+def _sorted_lines(problems: list[Problem], main_file: str) -> list[str]:
+    def key(p: Problem) -> tuple:
+        return (p.pos.file != main_file, p.pos.file, p.pos.line, p.pos.col)
+
+    lines: list[str] = []
+    for problem in sorted(problems, key=key):
+        line = str(problem)
+        if line not in lines:
+            lines.append(line)
+    return lines or [str(Problem(SourcePos(main_file, 1, 1), "invalid pipeline"))]
