@@ -1,0 +1,420 @@
+"""The `ar_lm` stage: an autoregressive LM behind the engine protocol.
+
+It wraps the token-level `LLMEngine` (continuous batching over a paged KV cache) and adds
+what a pipeline needs around it: prompt encoding (text or chat messages), per-request
+sampling params with validation, incremental text with stop strings, streaming of tokens,
+text and hidden states each step, and `info` (finish reason, usage, logprobs) at the end.
+
+A request with n > 1 streams sequence 0 on `text` / `tokens` / `hidden_states`; every
+sequence's text, tokens and finish reason are in `info["choices"]`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
+from omnistage.stages.registry import register_stage
+from omnistage.stages.ar.text import OutputText, TextTokenizer, normalize_stop
+
+log = logging.getLogger(__name__)
+
+# Per-request params that are not sampling params.
+REQUEST_KEYS = ("stop", "cache_salt", "priority", "skip_special_tokens")
+
+# Stage params (YAML `params:`), with the type each must have.
+STAGE_PARAMS: dict[str, tuple[type, ...]] = {
+    "block_size": (int,),
+    "num_kv_blocks": (int,),
+    "kv_cache_bytes": (int, str),  # bytes, or a size like "512MiB"
+    "max_model_len": (int,),
+    "hidden_state_layers": (list, tuple),
+    "enable_prefix_caching": (bool,),
+    "weight_prefix": (str,),
+    "hf_config_key": (str,),
+}
+
+
+def _sampling_keys() -> set[str]:
+    from dataclasses import fields
+
+    from omnistage.stages.ar.config import SamplingParams
+
+    return {f.name for f in fields(SamplingParams)}
+
+
+@dataclass
+class _Live:
+    """What the stage tracks for one request between steps."""
+
+    request_id: str
+    n: int
+    texts: list[OutputText] | None  # one per sequence; None without a tokenizer
+    logprobs_wanted: bool
+    tokens: list[list[int]]
+    logprobs: list[list[dict[str, Any]]]
+    finish_reasons: list[str | None]
+    engine_finished: list[bool]
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+
+@register_stage("ar_lm")
+class ARLMStage(StageEngine):
+    inputs = {
+        "prompt": Port("text", optional=True),
+        "messages": Port("json", optional=True),
+        "tokens": Port("tokens", optional=True),
+        "embeddings": Port("embeddings", optional=True),
+        "position_ids": Port("tensor", optional=True),
+    }
+    outputs = {
+        "text": Port("text", streaming=True),
+        "tokens": Port("tokens", streaming=True),
+        "hidden_states": Port("hidden_states", streaming=True),
+        "info": Port("json"),
+    }
+    batching_policies = ("continuous",)
+    needs_model = True
+
+    @classmethod
+    def ports(cls, params: dict[str, Any]) -> tuple[dict[str, Port], dict[str, Port]]:
+        ins, outs = dict(cls.inputs), dict(cls.outputs)
+        if not (params or {}).get("hidden_state_layers"):
+            outs.pop("hidden_states")
+        return ins, outs
+
+    @classmethod
+    def validate_params(cls, params: dict[str, Any]) -> list[str]:
+        problems = []
+        for key, value in (params or {}).items():
+            if key not in STAGE_PARAMS:
+                problems.append(f"unknown ar_lm param {key!r}; known: {', '.join(STAGE_PARAMS)}")
+                continue
+            types = STAGE_PARAMS[key]
+            if value is None and key not in ("block_size", "enable_prefix_caching"):
+                continue
+            if not isinstance(value, types) or (bool in types) != isinstance(value, bool):
+                problems.append(f"ar_lm param {key!r} must be {'/'.join(t.__name__ for t in types)}, "
+                                f"got {value!r}")
+                continue
+            if key in ("block_size", "num_kv_blocks", "max_model_len") and value < 1:
+                problems.append(f"ar_lm param {key!r} must be >= 1, got {value}")
+            if key == "kv_cache_bytes":
+                try:
+                    if _parse_bytes(value) < 1:
+                        raise ValueError
+                except ValueError:
+                    problems.append(f"ar_lm param 'kv_cache_bytes' is not a size: {value!r}")
+            if key == "hidden_state_layers" and not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in value
+            ):
+                problems.append("ar_lm param 'hidden_state_layers' must be a list of integers")
+        return problems
+
+    # -- construction ----------------------------------------------------------------------
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        from omnistage.stages.ar import EngineConfig, LLMEngine
+
+        problems = self.validate_params(ctx.params)
+        if problems:
+            raise ValueError("; ".join(problems))
+        if ctx.model_path is None:
+            raise ValueError("ar_lm needs a model")
+        params = dict(ctx.params or {})
+        batching = ctx.batching
+        kv_bytes = params.get("kv_cache_bytes")
+        memory = getattr(ctx, "memory", None) or getattr(getattr(ctx, "pool", None), "memory", None)
+        if kv_bytes is None and memory and params.get("num_kv_blocks") is None:
+            kv_bytes = memory
+        model_dir = str(ctx.model_path)  # already resolved, subfolder included
+        self.hidden_state_layers = tuple(params.get("hidden_state_layers") or ())
+        config = EngineConfig(
+            model_path=model_dir,
+            dtype=ctx.dtype,
+            device=str(ctx.device),
+            block_size=params.get("block_size") or 16,
+            num_kv_blocks=params.get("num_kv_blocks"),
+            kv_cache_bytes=_parse_bytes(kv_bytes) if kv_bytes is not None else None,
+            max_num_batched_tokens=getattr(batching, "max_num_batched_tokens", 2048),
+            max_num_seqs=getattr(batching, "max_num_seqs", 64),
+            enable_prefix_caching=params.get("enable_prefix_caching", True),
+            max_model_len=params.get("max_model_len"),
+            hidden_state_layers=self.hidden_state_layers,
+            **_optional(params, "hf_config_key"),
+            weight_prefix=params.get("weight_prefix") or ctx.model_prefix or "",
+        )
+        self.engine = LLMEngine(config)
+        self.tokenizer = TextTokenizer.from_pretrained(model_dir) \
+            if TextTokenizer.available(model_dir) else None
+        self._sampling_keys = _sampling_keys()
+        self._live: dict[str, _Live] = {}
+        self._pending: list[Emission] = []  # rejected requests, reported on the next step
+
+    # -- protocol --------------------------------------------------------------------------
+    def add(self, request: StageRequest) -> None:
+        try:
+            self._admit(request)
+        except InvalidRequestError as err:
+            self._live.pop(request.request_id, None)
+            self._pending.append(Emission(request.request_id, finished=True, error=str(err),
+                                          error_kind="invalid_request"))
+
+    def abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+        self._pending = [e for e in self._pending if e.request_id != request_id]
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.engine.has_unfinished_requests()
+
+    def num_requests(self) -> int:
+        return len(self._live) + len(self._pending)
+
+    def step(self) -> list[Emission]:
+        emissions, self._pending = self._pending, []
+        if not self.engine.has_unfinished_requests():
+            return emissions
+        import time
+
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        by_request: dict[str, list] = {}
+        for out in outputs:
+            by_request.setdefault(out.request_id, []).append(out)
+        for request_id, outs in by_request.items():
+            live = self._live.get(request_id)
+            if live is None:
+                continue
+            emission = self._emission(live, outs)
+            if emission is not None:
+                emissions.append(emission)
+        self.step_log.append(StepRecord(tuple(by_request), len(by_request),
+                                        time.perf_counter() - t0))
+        return emissions
+
+    def stats(self) -> dict[str, float]:
+        stats = {k: float(v) for k, v in self.engine.stats().items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        stats.setdefault("kv_blocks_free", float(self.engine.num_free_blocks))
+        stats.setdefault("kv_blocks_total", float(self.engine.num_total_blocks))
+        stats["requests_live"] = float(len(self._live))
+        return stats
+
+    def close(self) -> None:
+        for request_id in list(self._live):
+            self.abort(request_id)
+
+    # -- admission -------------------------------------------------------------------------
+    def _admit(self, request: StageRequest) -> None:
+        from omnistage.stages.ar import SamplingParams
+
+        if request.request_id in self._live:
+            raise InvalidRequestError(f"request {request.request_id!r} is already running")
+        params = dict(request.params or {})
+        unknown = sorted(set(params) - self._sampling_keys - set(REQUEST_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"unknown parameter(s) for ar_lm: {', '.join(unknown)}",
+                                      param=unknown[0])
+        stops = normalize_stop(params.pop("stop", None))
+        cache_salt = params.pop("cache_salt", None)
+        priority = params.pop("priority", 0)
+        skip_special = params.pop("skip_special_tokens", True)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority must be an integer", param="priority")
+        if not isinstance(skip_special, bool):
+            raise InvalidRequestError("skip_special_tokens must be a boolean",
+                                      param="skip_special_tokens")
+        sampling = SamplingParams.from_dict(params)
+        if stops and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none",
+                                      param="stop")
+
+        prompt_ids, embeds, positions = self._prompt(request.inputs)
+        self._live[request.request_id] = _Live(
+            request_id=request.request_id,
+            n=sampling.n,
+            texts=[OutputText(self.tokenizer, stops, skip_special) for _ in range(sampling.n)]
+            if self.tokenizer is not None else None,
+            logprobs_wanted=sampling.logprobs is not None,
+            tokens=[[] for _ in range(sampling.n)],
+            logprobs=[[] for _ in range(sampling.n)],
+            finish_reasons=[None] * sampling.n,
+            engine_finished=[False] * sampling.n,
+        )
+        self.engine.add_request(request.request_id, prompt_ids, sampling,
+                                inputs_embeds=embeds, position_ids=positions,
+                                priority=priority, cache_salt=cache_salt)
+
+    def _prompt(self, inputs: dict[str, Any]):
+        given = [k for k in ("prompt", "messages", "tokens", "embeddings")
+                 if inputs.get(k) is not None]
+        text_inputs = [k for k in given if k in ("prompt", "messages")]
+        if not given:
+            raise InvalidRequestError("ar_lm needs one of prompt, messages, tokens or embeddings")
+        if len(text_inputs) > 1 or (text_inputs and len(given) > 1):
+            raise InvalidRequestError(f"give only one prompt form, got {', '.join(given)}")
+        if text_inputs and self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send tokens or embeddings")
+        embeds = positions = None
+        if "prompt" in given:
+            prompt = inputs["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt must be a string", param="prompt")
+            ids = self.tokenizer.encode(prompt)
+        elif "messages" in given:
+            ids = self.tokenizer.encode_chat(inputs["messages"])
+        else:
+            ids = _as_token_list(inputs["tokens"]) if "tokens" in given else None
+            if "embeddings" in given:
+                embeds = _as_embeddings(inputs["embeddings"])
+                if ids is None:
+                    ids = [0] * embeds.shape[0]  # placeholders; the model reads the embeddings
+                elif len(ids) != embeds.shape[0]:
+                    raise InvalidRequestError(
+                        f"tokens ({len(ids)}) and embeddings ({embeds.shape[0]}) differ in length")
+        if inputs.get("position_ids") is not None:
+            positions = torch.as_tensor(inputs["position_ids"], dtype=torch.long)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids, embeds, positions
+
+    # -- output ----------------------------------------------------------------------------
+    def _emission(self, live: _Live, outs: list) -> Emission | None:
+        chunk_tokens: list[int] = []
+        text_delta = ""
+        hidden = None
+        for out in outs:
+            i = out.index
+            live.num_prompt_tokens = out.num_prompt_tokens
+            live.num_cached_tokens = max(live.num_cached_tokens, out.num_cached_tokens or 0)
+            if out.finished:
+                live.engine_finished[i] = True
+            if live.finish_reasons[i] is not None:
+                continue  # cut by a stop string earlier; the engine's late tokens are dropped
+            new_ids = list(out.new_token_ids)
+            live.tokens[i].extend(new_ids)
+            if live.logprobs_wanted and out.new_logprobs:
+                live.logprobs[i].extend(_logprob_entries(new_ids, out.new_logprobs))
+            if live.texts is not None:
+                delta = live.texts[i].push(new_ids)
+                if delta.stopped:
+                    live.finish_reasons[i] = "stop"
+                elif out.finished:
+                    delta = live.texts[i].finish()
+                    if delta.stopped:
+                        live.finish_reasons[i] = "stop"
+                if i == 0:
+                    text_delta += delta.text
+            if out.finished and live.finish_reasons[i] is None:
+                live.finish_reasons[i] = out.finish_reason or "stop"
+            if i == 0:
+                chunk_tokens.extend(new_ids)
+                if out.hidden_states:
+                    hidden = self._stack_hidden(out.hidden_states)
+
+        outputs: dict[str, Any] = {}
+        finished = live.done
+        if chunk_tokens or finished:
+            outputs["tokens"] = chunk_tokens
+        if live.texts is not None and (text_delta or finished):
+            outputs["text"] = text_delta
+        if hidden is not None:
+            outputs["hidden_states"] = hidden
+        if finished:
+            if not all(live.engine_finished):
+                self.engine.abort_request(live.request_id)  # stop strings ended it early
+            outputs["info"] = self._info(live)
+            del self._live[live.request_id]
+        if not outputs:
+            return None
+        return Emission(live.request_id, outputs=outputs, finished=finished)
+
+    def _stack_hidden(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        layers = [states[k] for k in self.hidden_state_layers if k in states] or list(states.values())
+        return layers[0] if len(layers) == 1 else torch.stack(layers, dim=1)
+
+    def _info(self, live: _Live) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "finish_reason": live.finish_reasons[0],
+            "usage": {
+                "prompt_tokens": live.num_prompt_tokens,
+                "completion_tokens": sum(len(t) for t in live.tokens),
+                "cached_tokens": live.num_cached_tokens,
+            },
+        }
+        if live.logprobs_wanted:
+            info["logprobs"] = live.logprobs[0]
+        if live.n > 1:
+            info["choices"] = [
+                {
+                    "index": i,
+                    "text": live.texts[i].text if live.texts is not None else None,
+                    "tokens": live.tokens[i],
+                    "finish_reason": live.finish_reasons[i],
+                    **({"logprobs": live.logprobs[i]} if live.logprobs_wanted else {}),
+                }
+                for i in range(live.n)
+            ]
+        return info
+
+
+def _logprob_entries(new_ids: list[int], new_logprobs: list[dict[int, float]]) -> list[dict[str, Any]]:
+    entries = []
+    for token, table in zip(new_ids, new_logprobs):
+        top = sorted(table.items(), key=lambda kv: -kv[1])
+        entries.append({
+            "token": int(token),
+            "logprob": float(table.get(token, float("nan"))),
+            "top_logprobs": [{"token": int(t), "logprob": float(lp)} for t, lp in top],
+        })
+    return entries
+
+
+def _as_token_list(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        if value.dim() != 1 or value.is_floating_point():
+            raise InvalidRequestError("tokens must be a 1-D integer tensor or a list of ints",
+                                      param="tokens")
+        return [int(t) for t in value.tolist()]
+    if isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in value):
+        return list(value)
+    raise InvalidRequestError("tokens must be a list of ints", param="tokens")
+
+
+def _as_embeddings(value: Any) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2 or not t.is_floating_point():
+        raise InvalidRequestError("embeddings must be a float tensor [tokens, hidden]",
+                                  param="embeddings")
+    return t
+
+
+def _parse_bytes(value: int | str) -> int:
+    if isinstance(value, int):
+        return value
+    from omnistage.graph.fields import memory_bytes
+
+    return memory_bytes(value)
+
+
+def _optional(params: dict[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: params[k] for k in keys if params.get(k) is not None}
