@@ -1,0 +1,231 @@
+"""Configuration dataclasses of the AR engine: sampling, engine, and the decoder's model config."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options. temperature == 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # top-k count; the sampled token's logprob is always reported when set
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(param: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param}: {why}", param=param)
+
+        def is_num(x: Any) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", f"must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not (-2.0 <= v <= 2.0):
+                raise bad(name, f"must be in [-2, 2], got {v!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", f"must be an integer or null, got {self.seed!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be a boolean")
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0 or self.logprobs > 20):
+            raise bad("logprobs", f"must be an integer in [0, 20] or null, got {self.logprobs!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
+        try:
+            return cls(**d)
+        except TypeError as e:  # pragma: no cover - defensive
+            raise InvalidRequestError(str(e)) from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class EngineConfig:
+    """How one LLMEngine is built.
+
+    model_path: a Hugging Face directory (config.json + safetensors).
+    weight_prefix: prefix of the decoder's parameter names inside a nested checkpoint, e.g.
+        "thinker." for the Qwen2.5-Omni thinker ("thinker.model.layers.0..." / "thinker.lm_head").
+    hf_config_key: dotted path to the text config inside config.json (e.g.
+        "thinker_config.text_config"); guessed from weight_prefix when None.
+    num_kv_blocks / kv_cache_bytes: pool size (block count wins); default: enough blocks for
+        max_num_seqs sequences of max_model_len tokens, capped at 1 GiB.
+    hidden_state_layers: HF-style hidden-state indices to emit per processed token
+        (0 = input embeddings, i = output of decoder layer i, num_layers (or -1) = after final norm).
+    """
+
+    model_path: str
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    hidden_state_layers: tuple[int, ...] = ()
+    weight_prefix: str = ""
+    hf_config_key: str | None = None
+    eos_token_ids: tuple[int, ...] | None = None  # None: read from generation_config.json / config.json
+    show_progress: bool | None = None  # None: tqdm only for loads over 256 MB
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            self.dtype = getattr(torch, self.dtype)
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        self.hidden_state_layers = tuple(int(i) for i in self.hidden_state_layers)
+
+
+@dataclass
+class ModelConfig:
+    """The decoder's architecture, read from a Hugging Face config.json."""
+
+    architecture: str  # "qwen2" | "qwen3" | "qwen2_5_omni_text"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    mrope_section: tuple[int, ...] | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], tie_default: bool | None = None) -> "ModelConfig":
+        model_type = cfg.get("model_type", "qwen2")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        mrope = rope.get("mrope_section")
+        if rope_type not in ("default", "mrope", None) and mrope is None:
+            raise ValueError(f"unsupported rope_type {rope_type!r}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if model_type.startswith("qwen3"):
+            arch, qkv_bias, qk_norm = "qwen3", bool(cfg.get("attention_bias", False)), True
+        else:
+            arch, qkv_bias, qk_norm = ("qwen2_5_omni_text" if mrope else "qwen2"), True, False
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        tie = cfg.get("tie_word_embeddings")
+        if tie is None:
+            tie = bool(tie_default)
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(tie),
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            mrope_section=tuple(mrope) if mrope else None,
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def uses_mrope(self) -> bool:
+        return self.mrope_section is not None
+
+
+def _dig(d: dict[str, Any], dotted: str) -> dict[str, Any]:
+    for key in dotted.split("."):
+        d = d[key]
+    return d
+
+
+def load_model_config(model_path: str, hf_config_key: str | None = None, weight_prefix: str = "") -> ModelConfig:
+    """Read config.json (and generation_config.json's eos ids) from a checkpoint directory."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        raw = json.load(f)
+    key = hf_config_key
+    if key is None and weight_prefix.startswith("thinker") and "thinker_config" in raw:
+        key = "thinker_config.text_config"
+    if key is None and weight_prefix.startswith("talker") and "talker_config" in raw:
+        key = "talker_config"
+    sub = _dig(raw, key) if key else raw
+    if key is None and "text_config" in raw and "hidden_size" not in raw:
+        sub = raw["text_config"]
+    cfg = ModelConfig.from_hf_dict(sub, tie_default=raw.get("tie_word_embeddings"))
+    gen_path = os.path.join(model_path, "generation_config.json")
+    if os.path.exists(gen_path) and not key:
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if isinstance(eos, int):
+            cfg.eos_token_ids = (eos,)
+        elif isinstance(eos, list):
+            cfg.eos_token_ids = tuple(eos)
+    return cfg

@@ -1,0 +1,219 @@
+"""Decoder-only transformer for the Qwen2 / Qwen2.5 / Qwen3 families (and the Qwen2.5-Omni
+thinker text model with M-RoPE), written for a flattened token batch over a paged KV cache.
+
+Parameters keep Hugging Face names except two fusions: q/k/v -> qkv_proj and gate/up ->
+gate_up_proj (one matmul each); `load_weight` maps HF names onto them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.stages.ar.attention import AttentionMetadata, paged_attention
+from omnistage.stages.ar.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for 1-D positions [N] or M-RoPE positions [3, N]."""
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = list(mrope_section) if mrope_section else None
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [N, d/2] or [3, N, d/2]
+        if freqs.dim() == 3:
+            if self.mrope_section is None:
+                freqs = freqs[0]
+            else:
+                chunks = freqs.split(self.mrope_section, dim=-1)
+                freqs = torch.cat([c[i % 3] for i, c in enumerate(chunks)], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d]; cos/sin [N, d] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings + decoder stack + final norm + LM head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        positions: torch.Tensor,  # [N] or [3, N]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        embeds: torch.Tensor | None = None,  # [M, hidden] rows replacing token embeddings
+        embed_rows: torch.Tensor | None = None,  # [M] which rows of the batch they replace
+        capture_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Returns (final normed hidden states [N, hidden], {hidden-state index: [N, hidden]})."""
+        x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x[embed_rows] = embeds.to(x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        n_layers = len(self.layers)
+        captured: dict[int, torch.Tensor] = {}
+        if 0 in capture_layers:
+            captured[0] = x
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_caches[i], meta)
+            if i + 1 in capture_layers and i + 1 != n_layers:
+                captured[i + 1] = x
+        x = self.norm(x)
+        if n_layers in capture_layers:
+            captured[n_layers] = x
+        return x, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ---- weight loading by Hugging Face parameter name ----
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one HF-named tensor (relative to the decoder, e.g. "model.layers.0.mlp.up_proj.weight"
+        or "lm_head.weight") into place. Returns False for names this model does not own."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        elif name.startswith("lm_head."):
+            if self.lm_head is None:
+                return True  # tied: the embedding is the head
+        else:
+            return False
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self._FUSED:
+            fused, shard = self._FUSED[parts[-2]]
+            target_name = ".".join(parts[:-2] + [fused, parts[-1]])
+            param = self.get_parameter(target_name)
+            if fused == "qkv_proj":
+                attn = self.layers[int(parts[1])].self_attn
+                sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+            else:
+                sizes = [self.config.intermediate_size] * 2
+            offset = sum(sizes[:shard])
+            dst = param.data.narrow(0, offset, sizes[shard])
+        else:
+            try:
+                param = self.get_parameter(name)
+            except AttributeError:
+                return False
+            dst = param.data
+        if dst.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        return True
+
+    def expected_weights(self) -> set[str]:
+        """HF names that must be present in a checkpoint for this model."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        cfg = self.config
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                names.add(p + f"self_attn.{proj}.weight")
+                if cfg.qkv_bias:
+                    names.add(p + f"self_attn.{proj}.bias")
+            names.add(p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                names.update({p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"})
+            names.update(p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj"))
+            names.update({p + "input_layernorm.weight", p + "post_attention_layernorm.weight"})
+        return names

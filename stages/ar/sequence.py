@@ -1,0 +1,107 @@
+"""Per-sequence state and the per-step output of the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.stages.ar.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one sequence of a request.
+
+    new_token_ids: tokens sampled this step (0 or 1 today; 0 while a prompt is being prefilled
+        in chunks). new_logprobs: one {token_id: logprob} dict per new token, holding the sampled
+        token and the top-`logprobs` tokens (logprobs of the model's raw distribution), or None.
+    hidden_states: layer index -> [num_processed, hidden] for the tokens *fed through the model*
+        this step (a prompt chunk, or the previously sampled token during decode), so that row j
+        of the prompt/decoded stream arrives exactly once, in order; None when not requested or
+        nothing was processed for this sequence this step.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    hidden_states: dict[int, torch.Tensor] | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generated stream. A request with n > 1 owns n sequences that share its prompt blocks."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]  # prompt (placeholders when the prompt is given as embeddings) + output
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival: int  # monotonically increasing admission counter (FCFS order)
+    priority: int = 0
+    cache_salt: str | None = None
+    prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
+    mrope_positions: torch.Tensor | None = None  # (3, num_prompt_tokens) int64
+    mrope_delta: int = 0  # generated token t (t >= prompt len) sits at position t + delta
+    generator: torch.Generator | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of this sequence's full blocks
+    num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not admitted yet)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    # n > 1: siblings wait until the parent's prompt is computed, then fork its blocks.
+    fork_parent: "Sequence | None" = None
+    fork_children: list["Sequence"] = field(default_factory=list)
+    output_counts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def prompt_ids_known(self) -> bool:
+        return self.prompt_embeds is None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+    def position_of(self, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): (end-start,) or (3, end-start) for M-RoPE prompts."""
+        if self.mrope_positions is None:
+            return torch.arange(start, end, dtype=torch.long)
+        p = self.num_prompt_tokens
+        parts = []
+        if start < p:
+            parts.append(self.mrope_positions[:, start : min(end, p)])
+        if end > p:
+            gen = torch.arange(max(start, p), end, dtype=torch.long) + self.mrope_delta
+            parts.append(gen.unsqueeze(0).expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
