@@ -46,6 +46,64 @@ def clean_prompt(text: str) -> str:
     return prompt_clean(text)
 
 
+def load_wan_transformer(folder, dtype: torch.dtype = torch.float32):
+    """WanTransformer3DModel from a diffusers folder without `accelerate`.
+
+    diffusers insists on low_cpu_mem_usage for models with fp32-kept modules and turns it
+    off when accelerate is missing, so `from_pretrained` raises there. This builds the model
+    from its config, loads the (possibly sharded) safetensors strictly, casts to `dtype` and
+    keeps `_keep_in_fp32_modules` in float32 as from_pretrained would.
+    """
+    import json
+    from pathlib import Path
+
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    model = WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder))
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["diffusion_pytorch_model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(folder / name))
+    model.load_state_dict(state, strict=True)
+    keep = model._keep_in_fp32_modules or []
+    if dtype != torch.float32:
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if tensor.is_floating_point() and not any(k in name for k in keep):
+                tensor.data = tensor.data.to(dtype)
+    return model.eval()
+
+
+def _install_loader_fallback() -> None:
+    """Make WanTransformer3DModel.from_pretrained work without accelerate (see above).
+    Only the ValueError diffusers raises in that case is caught; everything else is untouched."""
+    from diffusers import WanTransformer3DModel
+
+    original = WanTransformer3DModel.from_pretrained.__func__
+    if getattr(original, "_omnistage_fallback", False):
+        return
+
+    def from_pretrained(cls, path, *args, **kwargs):
+        try:
+            return original(cls, path, *args, **kwargs)
+        except ValueError as exc:
+            if "low_cpu_mem_usage" not in str(exc) or kwargs.get("subfolder") or args:
+                raise
+            dtype = kwargs.get("torch_dtype") or kwargs.get("dtype") or torch.float32
+            return load_wan_transformer(path, dtype)
+
+    from_pretrained._omnistage_fallback = True  # type: ignore[attr-defined]
+    WanTransformer3DModel.from_pretrained = classmethod(from_pretrained)
+
+
+_install_loader_fallback()
+
+
 class WanTextEncoder(TextEncoderAdapter):
     family = "wan"
     component_names = ("tokenizer", "text_encoder")
