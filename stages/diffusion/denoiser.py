@@ -1,0 +1,86 @@
+"""Stage kind `denoiser`: step-level continuous batching over per-request scheduler state.
+
+add() validates the request and prepares its DenoiseState (latents from its own generator,
+its own scheduler); every step() runs one shared transformer forward through the StepEngine
+and emits progress (step i of n) for each request in it, and the final latents when done.
+"""
+
+from __future__ import annotations
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Emission, Port, StageEngine, StageRequest
+from omnistage.stages.diffusion.adapters.base import GenerationParams, TextConditioning
+from omnistage.stages.diffusion.loading import build_adapter
+from omnistage.stages.diffusion.step_engine import StepEngine
+from omnistage.stages.registry import register_stage
+
+
+@register_stage("denoiser")
+class DenoiserStage(StageEngine):
+    inputs = {
+        "prompt_embeds": Port("embeddings"),
+        "pooled_prompt_embeds": Port("embeddings", optional=True),
+        "prompt_mask": Port("tensor", optional=True),
+    }
+    outputs = {"latents": Port("latents")}
+    batching_policies = ("step",)
+    needs_model = True
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.adapter = build_adapter(ctx, "DENOISER")
+        b = ctx.batching
+        self.engine = StepEngine(
+            self.adapter,
+            max_batch_size=int(getattr(b, "max_batch_size", 8) or 8),
+            max_latent_tokens=getattr(b, "max_latent_tokens", None),
+        )
+        self.step_log = self.engine.step_log
+        self._errors: list[Emission] = []
+
+    def add(self, request: StageRequest) -> None:
+        rid = request.request_id
+        try:
+            params = GenerationParams.from_dict(request.params)
+            embeds = request.inputs.get("prompt_embeds")
+            if embeds is None:
+                raise ValueError("denoiser request without prompt_embeds")
+            text = TextConditioning(
+                embeds=embeds,
+                pooled=request.inputs.get("pooled_prompt_embeds"),
+                mask=request.inputs.get("prompt_mask"),
+            )
+            state = self.adapter.prepare(rid, params, text)
+        except InvalidRequestError as exc:
+            self._errors.append(Emission(rid, error=str(exc), error_kind="invalid_request", finished=True))
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._errors.append(Emission(rid, error=f"{type(exc).__name__}: {exc}", finished=True))
+            return
+        self.engine.add(state)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._errors = [e for e in self._errors if e.request_id != request_id]
+
+    def has_work(self) -> bool:
+        return bool(self._errors) or self.engine.has_work()
+
+    def num_requests(self) -> int:
+        return self.engine.num_requests()
+
+    def step(self) -> list[Emission]:
+        emissions, self._errors = self._errors, []
+        for ev in self.engine.step():
+            if ev.error is not None:
+                emissions.append(Emission(ev.request_id, error=ev.error, error_kind=ev.error_kind, finished=True))
+            elif ev.finished:
+                emissions.append(
+                    Emission(ev.request_id, outputs={"latents": ev.latents}, finished=True, progress=ev.progress)
+                )
+            else:
+                emissions.append(Emission(ev.request_id, progress=ev.progress))
+        return emissions
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
