@@ -1,0 +1,47 @@
+"""create_app(registry) -> FastAPI: the HTTP face of a PipelineRegistry.
+
+The app owns no pipelines itself: the registry (app.state.registry) does. Startup begins
+loading the registry's pipelines in the background; shutdown closes them. Routers listed in
+serving/routes/__init__.py ROUTER_MODULES are included in order; errors of every kind leave
+as OpenAI-style JSON (serving/errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from contextlib import asynccontextmanager
+from typing import Iterable
+
+from fastapi import APIRouter, FastAPI
+
+import omnistage
+from omnistage.serving.errors import install_error_handlers
+from omnistage.serving.metrics import ServingMetrics
+from omnistage.serving.middleware import ServingMiddleware
+from omnistage.serving.registry import PipelineRegistry
+from omnistage.serving.routes import ROUTER_MODULES
+
+
+def create_app(registry: PipelineRegistry, *, drain_timeout: float = 30.0,
+               routers: Iterable[APIRouter] = (), load_on_startup: bool = True) -> FastAPI:
+    """Build the app. `routers`: extra routers to include after the ROUTER_MODULES ones."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load_on_startup:
+            registry.start_loading()
+        yield
+        await asyncio.to_thread(registry.close, app.state.drain_timeout)
+
+    app = FastAPI(title="omnistage", version=omnistage.__version__, lifespan=lifespan)
+    app.state.registry = registry
+    app.state.metrics = ServingMetrics(registry)
+    app.state.drain_timeout = drain_timeout
+    install_error_handlers(app)
+    for module_name in ROUTER_MODULES:
+        app.include_router(importlib.import_module(module_name).router)
+    for router in routers:
+        app.include_router(router)
+    app.add_middleware(ServingMiddleware, registry=registry, metrics=app.state.metrics)
+    return app

@@ -1,0 +1,132 @@
+"""OpenAI-style JSON errors for every failure the HTTP layer can answer with.
+
+Body: {"error": {"message": str, "type": str, "param": str | None, "code": str | None}}.
+`type` follows OpenAI's families by status (invalid_request_error for 4xx, server_error for
+5xx, ...); `code` is the specific reason (omnistage.errors classes carry it as `.code`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omnistage.errors import NotFoundError, OmnistageError
+
+log = logging.getLogger("omnistage.serving")
+
+
+def error_type_for(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "rate_limit_error"
+    if status < 500:
+        return "invalid_request_error"
+    return "server_error"
+
+
+def error_body(message: str, *, status: int, code: str | None = None,
+               param: str | None = None, type: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type or error_type_for(status),
+                      "param": param, "code": code}}
+
+
+def error_response(message: str, *, status: int, code: str | None = None,
+                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status=status, code=code, param=param),
+                        status_code=status, headers=headers)
+
+
+class ServiceUnavailableError(OmnistageError):
+    """503 raised by the HTTP layer itself (server draining, model still loading)."""
+
+    status = 503
+    code = "service_unavailable"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code:
+            self.code = code
+
+
+class ModelNotFoundError(NotFoundError):
+    code = "model_not_found"
+
+    def __init__(self, model: str, available: list[str]):
+        names = ", ".join(sorted(available)) or "none"
+        super().__init__(f"The model {model!r} does not exist. Available models: {names}.")
+        self.param = "model"
+
+
+def omnistage_error_response(err: OmnistageError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status == 503 else None
+    return error_response(str(err) or err.__class__.__name__, status=err.status, code=err.code,
+                          param=getattr(err, "param", None), headers=headers)
+
+
+def _loc_to_param(loc: tuple | list) -> str | None:
+    """("body", "messages", 0, "role") -> "messages[0].role"."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header", "cookie")]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def validation_error_response(exc: RequestValidationError) -> JSONResponse:
+    # OpenAI answers malformed requests with 400 invalid_request_error naming the parameter.
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = _loc_to_param(first.get("loc", ()))
+    msg = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, param = "We could not parse the JSON body of your request.", None
+    else:
+        message = f"{param}: {msg}" if param else msg
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return error_response(message, status=400, code="invalid_value" if param else "invalid_request",
+                          param=param)
+
+
+def http_error_response(exc: StarletteHTTPException, request: Request) -> JSONResponse:
+    status = exc.status_code
+    if status == 404:
+        message = f"Unknown route: {request.method} {request.url.path}"
+        code = "not_found"
+    elif status == 405:
+        message = f"Method {request.method} is not allowed on {request.url.path}"
+        code = "method_not_allowed"
+    else:
+        message = str(exc.detail)
+        code = None
+    return error_response(message, status=status, code=code, headers=getattr(exc, "headers", None))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OmnistageError)
+    async def _omnistage(request: Request, exc: OmnistageError):
+        if exc.status >= 500 and exc.status != 503:
+            log.warning("%s %s failed: %s", request.method, request.url.path, exc)
+        return omnistage_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return validation_error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return http_error_response(exc, request)
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(f"Internal server error: {exc.__class__.__name__}", status=500,
+                              code="internal_error")

@@ -1,0 +1,249 @@
+"""PipelineRegistry: the pipelines one server hosts, their load state, and the drain flag.
+
+The server parses every config up front (bad YAML fails before the port opens), then loads the
+pipelines in a background thread so /health answers while workers start. Routers reach the
+registry as `request.app.state.registry` (see serving/deps.py) and ask it for a ready pipeline
+by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from omnistage.errors import OmnistageError
+from omnistage.serving.errors import ModelNotFoundError, ServiceUnavailableError
+
+log = logging.getLogger("omnistage.serving")
+
+LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
+
+
+def default_config_paths() -> list[Path]:
+    """Every configs/tiny-*.yaml shipped in the package (the `make run` defaults)."""
+    import omnistage
+
+    return sorted((Path(omnistage.__file__).parent / "configs").glob("tiny-*.yaml"))
+
+
+@dataclass
+class PipelineEntry:
+    name: str
+    spec: Any  # omnistage.graph.spec.PipelineSpec (None when added as a built pipeline)
+    source: str = ""
+    state: str = LOADING
+    pipeline: Any = None  # omnistage.runtime.pipeline.Pipeline once constructed
+    error: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    load_seconds: float | None = None
+
+    @property
+    def stage_names(self) -> list[str]:
+        spec = self.spec if self.spec is not None else getattr(self.pipeline, "spec", None)
+        return list(spec.stages) if spec is not None else []
+
+    def is_ready(self) -> bool:
+        return self.state == READY and self.pipeline is not None and bool(self.pipeline.ready)
+
+    def describe(self) -> dict[str, Any]:
+        """Readiness detail for /ready: the pipeline's state and each stage's."""
+        stage_ready = _stage_readiness(self.pipeline) if self.pipeline is not None else {}
+        ready = self.is_ready()
+        stages = {name: {"ready": stage_ready.get(name, ready)} for name in self.stage_names}
+        out: dict[str, Any] = {"ready": ready, "state": self.state, "stages": stages}
+        if self.error:
+            out["error"] = self.error
+        if self.load_seconds is not None:
+            out["load_seconds"] = round(self.load_seconds, 3)
+        return out
+
+
+def _stage_readiness(pipeline: Any) -> dict[str, bool]:
+    """Per-stage readiness when the runtime exposes it (stage_ready() or stage_stats()["ready"])."""
+    fn = getattr(pipeline, "stage_ready", None)
+    try:
+        if callable(fn):
+            return {k: bool(v) for k, v in fn().items()}
+        stats = pipeline.stage_stats()
+        return {k: bool(v["ready"]) for k, v in stats.items() if isinstance(v, dict) and "ready" in v}
+    except Exception:  # a closing pipeline: readiness falls back to the pipeline's flag
+        return {}
+
+
+class PipelineRegistry:
+    def __init__(self, *, ready_timeout: float = 600.0):
+        self._entries: dict[str, PipelineEntry] = {}
+        self._lock = threading.Lock()
+        self._loader: threading.Thread | None = None
+        self._closing = threading.Event()
+        self.ready_timeout = ready_timeout
+        self.draining = False
+        self.inflight = 0  # HTTP requests doing work; touched only on the event loop
+        self.started_at = time.time()
+
+    # -- building ----------------------------------------------------------------------------
+    @classmethod
+    def from_configs(cls, configs: Iterable[str | Path], overrides: Iterable[str] = (),
+                     **kwargs) -> "PipelineRegistry":
+        """Parse and validate every config now (raises PipelineValidationError); load later."""
+        from omnistage.graph.loader import load_pipeline
+
+        registry = cls(**kwargs)
+        for config in configs:
+            spec = load_pipeline(config, overrides=list(overrides))
+            registry.add_spec(spec, source=str(config))
+        return registry
+
+    def add_spec(self, spec: Any, source: str = "") -> PipelineEntry:
+        with self._lock:
+            if spec.name in self._entries:
+                raise ValueError(f"two pipelines are named {spec.name!r} ({source} and "
+                                 f"{self._entries[spec.name].source})")
+            entry = PipelineEntry(name=spec.name, spec=spec, source=source)
+            self._entries[spec.name] = entry
+            return entry
+
+    def add_pipeline(self, pipeline: Any) -> PipelineEntry:
+        """Host an already-constructed Pipeline (embedding, tests). The registry closes it."""
+        with self._lock:
+            if pipeline.name in self._entries:
+                raise ValueError(f"a pipeline named {pipeline.name!r} is already registered")
+            entry = PipelineEntry(name=pipeline.name, spec=getattr(pipeline, "spec", None),
+                                  source="<object>", pipeline=pipeline, state=READY)
+            self._entries[pipeline.name] = entry
+            return entry
+
+    # -- loading -----------------------------------------------------------------------------
+    def start_loading(self) -> None:
+        """Start every not-yet-built pipeline in a background thread (idempotent)."""
+        if self._loader is not None or not any(e.pipeline is None for e in self._entries.values()):
+            return
+        self._loader = threading.Thread(target=self._load_all, name="omnistage-loader", daemon=True)
+        self._loader.start()
+
+    def _load_all(self) -> None:
+        from omnistage.runtime.pipeline import Pipeline
+
+        pending = [e for e in self._entries.values() if e.pipeline is None and e.state == LOADING]
+        t0 = {}
+        # Start every pipeline's workers first so they boot in parallel, then wait for each.
+        for entry in pending:
+            if self._closing.is_set():
+                return
+            t0[entry.name] = time.monotonic()
+            try:
+                pipeline = Pipeline.from_spec(entry.spec, start=True, wait_ready=False)
+            except Exception as exc:  # noqa: BLE001 - reported on /ready
+                self._fail(entry, exc)
+                continue
+            with self._lock:
+                if self._closing.is_set():
+                    _close_quietly(pipeline, 0.0)
+                    return
+                entry.pipeline = pipeline
+        for entry in pending:
+            if entry.pipeline is None or entry.state != LOADING:
+                continue
+            try:
+                entry.pipeline.wait_ready(self.ready_timeout)
+            except Exception as exc:  # noqa: BLE001
+                if self._closing.is_set():
+                    return
+                self._fail(entry, exc)
+                continue
+            if self._closing.is_set():
+                return
+            entry.load_seconds = time.monotonic() - t0[entry.name]
+            entry.state = READY
+            log.info("pipeline %r ready in %.1fs", entry.name, entry.load_seconds)
+
+    def _fail(self, entry: PipelineEntry, exc: Exception) -> None:
+        entry.state = FAILED
+        entry.error = f"{exc.__class__.__name__}: {exc}"
+        log.error("pipeline %r failed to load: %s", entry.name, entry.error)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the loader thread finished (tests, `serve --wait`)."""
+        if self._loader is not None:
+            self._loader.join(timeout)
+            return not self._loader.is_alive()
+        return True
+
+    # -- queries -----------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entries(self) -> list[PipelineEntry]:
+        return list(self._entries.values())
+
+    def entry(self, name: str) -> PipelineEntry | None:
+        return self._entries.get(name)
+
+    def pipelines(self) -> dict[str, Any]:
+        """name -> Pipeline for every constructed pipeline (loading ones included)."""
+        return {e.name: e.pipeline for e in self._entries.values()
+                if e.pipeline is not None and e.state in (LOADING, READY)}
+
+    @property
+    def ready(self) -> bool:
+        entries = self.entries()
+        return bool(entries) and not self.draining and all(e.is_ready() for e in entries)
+
+    def readiness(self) -> dict[str, Any]:
+        return {
+            "ready": self.ready,
+            "draining": self.draining,
+            "pipelines": {e.name: e.describe() for e in self.entries()},
+        }
+
+    def get(self, name: str) -> Any:
+        """The ready Pipeline called `name`, or the error the client should see."""
+        if self.draining:
+            raise ServiceUnavailableError("The server is shutting down; retry on another replica.",
+                                          code="draining")
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ModelNotFoundError(name, self.names())
+        if entry.state == FAILED:
+            raise ServiceUnavailableError(f"The model {name!r} failed to load: {entry.error}",
+                                          code="model_failed")
+        if not entry.is_ready():
+            raise ServiceUnavailableError(f"The model {name!r} is still loading.",
+                                          code="model_loading")
+        return entry.pipeline
+
+    # -- shutdown ----------------------------------------------------------------------------
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def close(self, drain_timeout: float = 30.0) -> None:
+        """Close every pipeline (in parallel), letting their in-flight work finish first."""
+        self.draining = True
+        with self._lock:
+            self._closing.set()
+            entries = [e for e in self._entries.values()
+                       if e.pipeline is not None and e.state != CLOSED]
+            for e in entries:
+                e.state = CLOSED
+        threads = [threading.Thread(target=_close_quietly, args=(e.pipeline, drain_timeout),
+                                    name=f"close-{e.name}") for e in entries]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self._loader is not None:
+            self._loader.join(timeout=30.0)  # it closes a pipeline it was still building
+
+
+def _close_quietly(pipeline: Any, drain_timeout: float) -> None:
+    try:
+        pipeline.close(drain_timeout=drain_timeout)
+    except Exception:  # noqa: BLE001 - shutting down: log, keep closing the others
+        log.exception("closing pipeline %r failed", getattr(pipeline, "name", "?"))
+
+
+__all__ = ["PipelineRegistry", "PipelineEntry", "default_config_paths", "OmnistageError"]

@@ -1,0 +1,12 @@
+"""HTTP routers. Each module exposes `router` (a fastapi.APIRouter).
+
+create_app() includes every module listed in ROUTER_MODULES, in order. A later feature
+(chat completions, audio speech, images, jobs with webhooks, the realtime voice websocket)
+adds its module here with one line.
+"""
+
+ROUTER_MODULES: list[str] = [
+    "omnistage.serving.routes.system",  # /health, /ready, /metrics
+    "omnistage.serving.routes.models",  # /v1/models
+    "omnistage.serving.routes.pipelines",  # /v1/pipelines/{name}/run (generic JSON)
+]

@@ -1,0 +1,29 @@
+"""/v1/models in the OpenAI list format: one model per hosted pipeline."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from omnistage.serving.errors import ModelNotFoundError
+
+router = APIRouter(tags=["models"])
+
+
+def _model_card(entry) -> dict:
+    return {"id": entry.name, "object": "model", "created": entry.created,
+            "owned_by": "omnistage", "ready": entry.is_ready()}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    registry = request.app.state.registry
+    return {"object": "list", "data": [_model_card(e) for e in registry.entries()]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict:
+    registry = request.app.state.registry
+    entry = registry.entry(model)
+    if entry is None:
+        raise ModelNotFoundError(model, registry.names())
+    return _model_card(entry)

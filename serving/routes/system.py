@@ -1,0 +1,32 @@
+"""Probes and metrics: /health (liveness), /ready (readiness), /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from omnistage.serving.metrics import PROMETHEUS_MEDIA_TYPE
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    """Liveness: 200 as long as the process serves HTTP (also while loading or draining)."""
+    registry = request.app.state.registry
+    status = "draining" if registry.draining else ("ok" if registry.ready else "starting")
+    return {"status": status, "uptime_s": round(time.time() - registry.started_at, 3)}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Readiness: 200 once every stage of every pipeline is ready, 503 before and while draining."""
+    detail = request.app.state.registry.readiness()
+    return JSONResponse(detail, status_code=200 if detail["ready"] else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=PROMETHEUS_MEDIA_TYPE)
