@@ -20,6 +20,23 @@ REQUESTS = [
 
 def test_engine_frames_equal_diffusers_and_chunked_decode_equals_at_once(tiny_wan_dir, wan_reference):
     comps = load_wan_components(tiny_wan_dir)
+    run_and_compare(comps, wan_reference)
+
+
+def test_unipc_scheduler_as_real_wan_checkpoints_ship(tiny_wan_dir):
+    """Wan 2.1 Diffusers checkpoints use UniPC (flow prediction): multistep history per request."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    comps = load_wan_components(tiny_wan_dir)
+    comps["scheduler"] = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000
+    )
+    reference = WanPipeline(**load_wan_components(tiny_wan_dir) | {"scheduler": comps["scheduler"]})
+    reference.set_progress_bar_config(disable=True)
+    run_and_compare(comps, reference)
+
+
+def run_and_compare(comps, wan_reference):
     cpu = torch.device("cpu")
     text = wan.WanTextEncoder(comps, cpu, torch.float32)
     denoiser = wan.WanDenoiser(comps, cpu, torch.float32)

@@ -158,13 +158,18 @@ class WanTextEncoder(TextEncoderAdapter):
 
 class WanDenoiser(DenoiserAdapter):
     family = "wan"
-    component_names = ("transformer", "scheduler", "vae")
+    component_names = ("transformer", "scheduler")
 
     def __init__(self, components: dict[str, Any], device: torch.device, dtype: torch.dtype):
         super().__init__(components, device, dtype)
-        vae_cfg = components["vae"].config if components.get("vae") is not None else None
-        self.scale_temporal = int(getattr(vae_cfg, "scale_factor_temporal", None) or 4) if vae_cfg else 4
-        self.scale_spatial = int(getattr(vae_cfg, "scale_factor_spatial", None) or 8) if vae_cfg else 8
+        # the VAE's scale factors, from the loaded VAE or just its config.json (WanPipeline's
+        # defaults when neither is there)
+        if components.get("vae") is not None:
+            vae_cfg = dict(components["vae"].config)
+        else:
+            vae_cfg = dict(components.get("vae_config") or {})
+        self.scale_temporal = int(vae_cfg.get("scale_factor_temporal") or 4)
+        self.scale_spatial = int(vae_cfg.get("scale_factor_spatial") or 8)
         cfg = self.transformer.config
         self.patch = tuple(cfg.patch_size)
         self.in_channels = int(cfg.in_channels)
@@ -235,6 +240,25 @@ class WanDenoiser(DenoiserAdapter):
             encoder_hidden_states=torch.cat(context).to(dtype),
             return_dict=False,
         )[0]
+
+    def step(self, state: DenoiseState, model_output: torch.Tensor) -> None:
+        # Real Wan 2.1 checkpoints ship UniPCMultistepScheduler, whose step() takes no
+        # generator; its multistep history lives in the request's own scheduler copy.
+        if self._step_takes_generator(state.scheduler):
+            return super().step(state, model_output)
+        state.latents = state.scheduler.step(model_output, state.timestep, state.latents, return_dict=False)[0]
+        state.step_index += 1
+
+    @staticmethod
+    def _step_takes_generator(scheduler) -> bool:
+        import inspect
+
+        cls = type(scheduler)
+        cached = getattr(cls, "_omnistage_step_takes_generator", None)
+        if cached is None:
+            cached = "generator" in inspect.signature(cls.step).parameters
+            cls._omnistage_step_takes_generator = cached
+        return cached
 
     def finish(self, state: DenoiseState) -> torch.Tensor:
         return state.latents
