@@ -77,6 +77,8 @@ class Report:
             self.add(node.pos, f"{where} must be {_type_words(field)}, got {describe(node)}")
             return False, None
         value = node.value
+        if field.type == "string" and node.text is not None:
+            value = node.text  # interpolated: a string field takes the text, not its YAML reading
         if value is None:
             if field.nullable:
                 return True, None

@@ -1,9 +1,11 @@
 """`${VAR}` / `${VAR:-default}` / `${VAR-default}` in string values, read from the environment.
 
 Shell semantics: `:-` uses the default when VAR is unset or empty, `-` only when unset.
-`$${` is a literal `${`. A value that is exactly one unquoted `${...}` is re-read as YAML after
-substitution, so `replicas: ${REPLICAS:-2}` is the number 2 and `devices: ${DEVS:-[cpu]}` a list;
-quoted values and values with other text around the reference stay strings.
+`$${` is a literal `${`. A value that is exactly one `${...}` (quoted or not: flow mappings
+need the quotes) is re-read as YAML after substitution, so `replicas: "${REPLICAS:-2}"` is the
+number 2 and `devices: "${DEVS:-[cpu]}"` a list; a field that takes a string still reads the
+substituted text (`name: "${VERSION}"` with VERSION=2 is the string "2"). Values with other
+text around the reference stay strings.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ def _substitute(node: ScalarNode, environ: Mapping[str, str], problems: list[Pro
         return node
     result = "".join(out)
     whole = _REF.fullmatch(text) is not None and not text.startswith("$${")
-    if whole and not node.quoted:
+    if whole:
         reread, errors = parse_yaml(result, node.pos.file) if result.strip() else (None, [])
         if not errors and reread is not None:
-            return _relocate(reread, node)
-    return ScalarNode(result, node.pos, quoted=True, source_text=None)
+            reread = _relocate(reread, node)
+            if isinstance(reread, ScalarNode):
+                reread.text = result
+            return reread
+    return ScalarNode(result, node.pos, quoted=node.quoted, text=result)
 
 
 def _relocate(node: Node, at: ScalarNode) -> Node:

@@ -34,6 +34,7 @@ class ScalarNode:
     quoted: bool = False  # written in quotes: never re-read as a number/list after interpolation
     source_text: str | None = None  # the raw line(s) the scalar starts on, for sub-positions
     broken: bool = False  # already reported (failed interpolation): later checks stay quiet
+    text: str | None = None  # an interpolated value's text: what a string-typed field reads
 
     def sub_pos(self, offset: int) -> SourcePos:
         """Position of character `offset` of a single-line string value, else the value's start."""

@@ -65,7 +65,16 @@ def _endpoint(node: Node | None, value: str | None, where: str, report: Report) 
         report.add(node.pos, f"{where}: {value!r} is not stage.port (e.g. llm.text, inputs.prompt, "
                              "outputs.audio)")
         return None
-    return Endpoint(stage.strip(), port.strip())
+    endpoint = Endpoint(stage.strip(), port.strip())
+    if where.endswith(".from") and endpoint.stage == PIPELINE_OUTPUTS:
+        report.add(node.pos, f"an edge cannot start at {endpoint}: pipeline outputs are sinks "
+                             f"(write it as `to: {endpoint}`)")
+        return None
+    if where.endswith(".to") and endpoint.stage == PIPELINE_INPUTS:
+        report.add(node.pos, f"an edge cannot end at {endpoint}: pipeline inputs are sources "
+                             f"(write it as `from: {endpoint}`)")
+        return None
+    return endpoint
 
 
 def _stream(node: Node | None, where: str, report: Report) -> StreamSpec | None | bool:
@@ -131,15 +140,13 @@ def _compatible(a: str, b: str) -> bool:
 
 
 def _port_pos(edge_node: ScalarNode, endpoint: Endpoint) -> SourcePos:
+    if not isinstance(edge_node.value, str) or "." not in edge_node.value:
+        return edge_node.pos
     return edge_node.sub_pos(edge_node.value.index(".") + 1)
 
 
 def _source_type(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report) -> str | None:
     src, node = edge.spec.src, edge.src_node
-    if src.stage == PIPELINE_OUTPUTS:
-        report.add(node.pos, f"an edge cannot start at {src}: pipeline outputs are sinks "
-                             f"(write it as `to: {src}`)")
-        return None
     if src.stage == PIPELINE_INPUTS:
         if ports.inputs is None:
             return None
@@ -165,10 +172,6 @@ def _source_type(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report) -
 def _dest(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report):
     """(type or None, accepts streaming or None) for a resolvable destination, else None."""
     dst, node = edge.spec.dst, edge.dst_node
-    if dst.stage == PIPELINE_INPUTS:
-        report.add(node.pos, f"an edge cannot end at {dst}: pipeline inputs are sources "
-                             f"(write it as `from: {dst}`)")
-        return None
     if dst.stage == PIPELINE_OUTPUTS:
         if ports.outputs is None:
             return (None, None)
