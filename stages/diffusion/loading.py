@@ -91,6 +91,7 @@ def load_component(
     dtype: torch.dtype,
     device: torch.device,
     overrides: dict[str, str] | None = None,
+    adapter_cls: Any = None,
 ) -> Any:
     """One component (model, tokenizer or scheduler), or None when model_index lists it as null."""
     overrides = overrides or {}
@@ -111,12 +112,19 @@ def load_component(
             library, class_name = _class_from_folder(folder)
         else:
             library, class_name = entry
+    if adapter_cls is not None:
+        custom = adapter_cls.load_override(name, folder, dtype)
+        if custom is not None:
+            if isinstance(custom, torch.nn.Module):
+                custom = custom.to(device).eval()
+                custom.requires_grad_(False)
+            return custom
     cls = _resolve_class(library, class_name)
     if "Tokenizer" in class_name:
         return cls.from_pretrained(folder)
     if "Scheduler" in class_name:
         return cls.from_pretrained(folder)
-    model = cls.from_pretrained(folder, torch_dtype=dtype)
+    model = cls.from_pretrained(folder, dtype=dtype)
     model = model.to(device).eval()
     model.requires_grad_(False)
     return model
@@ -129,11 +137,12 @@ def load_components(
     device: torch.device,
     overrides: dict[str, str] | None = None,
     optional: tuple[str, ...] = (),
+    adapter_cls: Any = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
         try:
-            out[name] = load_component(name, root, dtype, device, overrides)
+            out[name] = load_component(name, root, dtype, device, overrides, adapter_cls)
         except ValueError:
             if name in optional:
                 out[name] = None
@@ -170,7 +179,9 @@ def build_adapter(ctx: Any, role: str, extra_args: tuple = ()) -> Any:
     family = detect_family(root, {**params, "components": overrides})
     cls = getattr(family_module(family), role)
     optional = tuple(getattr(cls, "optional_components", ()))
-    components = load_components(cls.component_names, root, ctx.dtype, ctx.device, overrides, optional=optional)
+    components = load_components(
+        cls.component_names, root, ctx.dtype, ctx.device, overrides, optional=optional, adapter_cls=cls
+    )
     if role == "DENOISER" and "vae" not in components:
         vae_dir = Path(overrides["vae"]) if "vae" in overrides else (root / "vae" if root else None)
         if vae_dir is not None and (vae_dir / "config.json").exists():

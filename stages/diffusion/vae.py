@@ -1,42 +1,29 @@
-"""Stage kind `vae_decoder`: latents -> pixels, dynamic batching.
+"""Stage kind `vae_decoder`: latents -> pixels, dynamic batching (DynamicBatchEngine).
 
 Requests whose latents the adapter says can share a call (equal `batch_key`) decode together,
-up to max_batch_size outputs per call. Requests with key None (video) decode alone through
-`decode_chunks`, one chunk per step, so the first frames leave before the whole video is
-decoded. Output: `image` [n, H, W, 3] (or `video` [n, F, H, W, 3] chunks along F when the
+up to max_batch_size requests per call. Requests with key None (video) decode alone through
+`decode_chunks`, one chunk per engine step, so the first frames leave before the whole video
+is decoded. Output: `image` [n, H, W, 3] (or `video` [n, F, H, W, 3] chunks along F when the
 stage param `output: video`), uint8 or float ([0,1]) per the request's `output_type`.
 """
 
 from __future__ import annotations
 
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Hashable
 
 import torch
 
-from omnistage.errors import InvalidRequestError
-from omnistage.stages.base import Emission, Port, StageEngine, StageRequest, StepRecord
+from omnistage.stages.base import Port, StageRequest
 from omnistage.stages.diffusion.adapters.base import GenerationParams, to_output
 from omnistage.stages.diffusion.loading import build_adapter
+from omnistage.stages.dynamic import DynamicBatchEngine
 from omnistage.stages.registry import register_stage
 
 
-@dataclass
-class _Job:
-    request_id: str
-    latents: torch.Tensor
-    params: GenerationParams
-    key: Any
-    chunks: Iterator[torch.Tensor] | None = None
-
-
 @register_stage("vae_decoder")
-class VaeDecoderStage(StageEngine):
+class VaeDecoderStage(DynamicBatchEngine):
     inputs = {"latents": Port("latents")}
     outputs = {"image": Port("image")}
-    batching_policies = ("dynamic", "none")
     needs_model = True
 
     @classmethod
@@ -53,105 +40,50 @@ class VaeDecoderStage(StageEngine):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "VAE", extra_args=(dict(ctx.params or {}),))
-        self.port = self.ports(ctx.params)[1].popitem()[0]
-        self.max_batch_size = max(1, int(getattr(ctx.batching, "max_batch_size", 8) or 8))
-        if getattr(ctx.batching, "policy", "dynamic") == "none":
-            self.max_batch_size = 1
-        self._pending: OrderedDict[str, _Job] = OrderedDict()
-        self._streaming: OrderedDict[str, _Job] = OrderedDict()
-        self._errors: list[Emission] = []
+        self.port = next(iter(self.ports(ctx.params)[1]))
+        self._parsed: dict[str, Any] = {}  # request id -> (params, key) or the request's error
 
     def add(self, request: StageRequest) -> None:
-        rid = request.request_id
         try:
             params = GenerationParams.from_dict(request.params)
             latents = request.inputs.get("latents")
             if not isinstance(latents, torch.Tensor):
                 raise ValueError("vae_decoder request without latents")
             key = self.adapter.batch_key(latents, params)
-        except InvalidRequestError as exc:
-            self._errors.append(Emission(rid, error=str(exc), error_kind="invalid_request", finished=True))
-            return
+            self._parsed[request.request_id] = (params, ("alone", request.request_id) if key is None else key, key is None)
         except Exception as exc:  # noqa: BLE001
-            self._errors.append(Emission(rid, error=f"{type(exc).__name__}: {exc}", finished=True))
-            return
-        self._pending[rid] = _Job(rid, latents, params, key)
+            self._parsed[request.request_id] = exc
+        super().add(request)
 
     def abort(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
-        job = self._streaming.pop(request_id, None)
-        if job is not None and job.chunks is not None and hasattr(job.chunks, "close"):
-            job.chunks.close()
-        self._errors = [e for e in self._errors if e.request_id != request_id]
+        self._parsed.pop(request_id, None)
+        super().abort(request_id)
 
-    def has_work(self) -> bool:
-        return bool(self._pending or self._streaming or self._errors)
+    def batch_key(self, request: StageRequest) -> Hashable:
+        parsed = self._parsed.get(request.request_id)
+        return parsed[1] if isinstance(parsed, tuple) else ("error", request.request_id)
 
-    def num_requests(self) -> int:
-        return len(self._pending) + len(self._streaming)
-
-    def step(self) -> list[Emission]:
-        emissions, self._errors = self._errors, []
-        t0 = time.perf_counter()
-        served: list[str] = []
-        # one batched decode: the oldest request's key, its mates up to the budget
-        if self._pending:
-            head = next(iter(self._pending.values()))
-            if head.key is None:
-                self._pending.pop(head.request_id)
-                head.chunks = iter(self.adapter.decode_chunks(head.latents, head.params))
-                self._streaming[head.request_id] = head
+    def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
+        parsed = [self._parsed.pop(r.request_id, None) for r in requests]
+        results: list[Any] = [None] * len(requests)
+        batch = []
+        for i, (req, p) in enumerate(zip(requests, parsed)):
+            if not isinstance(p, tuple):
+                results[i] = p if p is not None else RuntimeError("request state lost")
+            elif p[2]:  # chunked: an iterator, one chunk per engine step
+                results[i] = self._chunks(req.inputs["latents"], p[0])
             else:
-                batch, images = [], 0
-                for job in list(self._pending.values()):
-                    n = int(job.latents.shape[0])
-                    if job.key != head.key or (batch and images + n > self.max_batch_size):
-                        continue
-                    batch.append(job)
-                    images += n
-                for job in batch:
-                    self._pending.pop(job.request_id)
-                emissions += self._decode(batch)
-                served += [j.request_id for j in batch]
-        # one chunk of every streaming request
-        for rid, job in list(self._streaming.items()):
-            served.append(rid)
-            try:
-                chunk = next(job.chunks)  # type: ignore[arg-type]
-            except StopIteration:
-                self._streaming.pop(rid)
-                emissions.append(Emission(rid, finished=True))
-                continue
-            except Exception as exc:  # noqa: BLE001
-                self._streaming.pop(rid)
-                emissions.append(Emission(rid, error=f"{type(exc).__name__}: {exc}", finished=True))
-                continue
-            emissions.append(Emission(rid, outputs={self.port: to_output(chunk, job.params.output_type)}))
-        if served:
-            self.step_log.append(StepRecord(tuple(served), len(served), time.perf_counter() - t0))
-        return emissions
+                batch.append(i)
+        if batch:
+            latents = torch.cat([requests[i].inputs["latents"] for i in batch])
+            pixels = self.adapter.decode_batch(latents)
+            offset = 0
+            for i in batch:
+                n = int(requests[i].inputs["latents"].shape[0])
+                results[i] = {self.port: to_output(pixels[offset : offset + n], parsed[i][0].output_type)}
+                offset += n
+        return results
 
-    def _decode(self, batch: list[_Job]) -> list[Emission]:
-        try:
-            pixels = self.adapter.decode_batch(torch.cat([j.latents for j in batch]))
-        except Exception:  # noqa: BLE001 - decode alone so one bad request fails alone
-            if len(batch) == 1:
-                import traceback
-
-                return [Emission(batch[0].request_id, error=traceback.format_exc(limit=1), finished=True)]
-            out: list[Emission] = []
-            for job in batch:
-                out += self._decode([job])
-            return out
-        out, offset = [], 0
-        for job in batch:
-            n = int(job.latents.shape[0])
-            out.append(
-                Emission(
-                    job.request_id,
-                    outputs={self.port: to_output(pixels[offset : offset + n], job.params.output_type)},
-                    finished=True,
-                )
-            )
-            offset += n
-        return out
+    def _chunks(self, latents: torch.Tensor, params: GenerationParams):
+        for chunk in self.adapter.decode_chunks(latents, params):
+            yield {self.port: to_output(chunk, params.output_type)}

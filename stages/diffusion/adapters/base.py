@@ -35,6 +35,19 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 
+class ComponentLoading:
+    """Hook shared by the three adapter kinds: load a component the generic way or not."""
+
+    # components that may be missing (model_index.json null or folder absent)
+    optional_components: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def load_override(cls, name: str, folder: Any, dtype: torch.dtype) -> Any | None:
+        """Return the loaded component to bypass loading.load_component (e.g. a model that
+        needs special handling), or None to use the generic from_pretrained path."""
+        return None
+
+
 # -- request parameters -----------------------------------------------------------------------
 
 _PARAM_TYPES: dict[str, tuple[type, ...]] = {
@@ -141,7 +154,7 @@ class EncodedPrompts:
     warnings: list[list[str]] = field(default_factory=list)  # per prompt (truncation notices)
 
 
-class TextEncoderAdapter:
+class TextEncoderAdapter(ComponentLoading):
     """Encodes prompts for one family. Rows must not depend on their batch mates."""
 
     family: ClassVar[str] = ""
@@ -229,7 +242,7 @@ class DenoiseState:
         return self.rows * self.tokens_per_row
 
 
-class DenoiserAdapter:
+class DenoiserAdapter(ComponentLoading):
     """One family's denoising: request preparation, one batched forward, scheduler step.
 
     Subclasses implement `prepare`, `model_forward` and `finish`; `forward` and `step` are
@@ -312,7 +325,7 @@ class DenoiserAdapter:
 # -- VAE --------------------------------------------------------------------------------------
 
 
-class VaeAdapter:
+class VaeAdapter(ComponentLoading):
     """Latents -> pixels for one family.
 
     `decode_batch` decodes latents of several requests stacked along dim 0 (same shape) and
