@@ -298,10 +298,8 @@ class DenoiserAdapter(ComponentLoading):
 
     def step(self, state: DenoiseState, model_output: torch.Tensor) -> None:
         """Advance one request by one sampler step with its own scheduler."""
-        t = state.timestep
-        state.latents = state.scheduler.step(
-            model_output, t, state.latents, generator=state.generator, return_dict=False
-        )[0]
+        kwargs = {"generator": state.generator} if _step_takes_generator(state.scheduler) else {}
+        state.latents = state.scheduler.step(model_output, state.timestep, state.latents, return_dict=False, **kwargs)[0]
         state.step_index += 1
 
     # -- helpers for subclasses -----------------------------------------------------------
@@ -320,6 +318,18 @@ class DenoiserAdapter(ComponentLoading):
     @staticmethod
     def make_generator(params: GenerationParams) -> torch.Generator:
         return torch.Generator("cpu").manual_seed(params.resolved_seed())
+
+
+def _step_takes_generator(scheduler: Any) -> bool:
+    """Stochastic schedulers draw noise from the request's generator; others take none."""
+    import inspect
+
+    cls = type(scheduler)
+    cached = cls.__dict__.get("_omnistage_step_takes_generator")
+    if cached is None:
+        cached = "generator" in inspect.signature(cls.step).parameters
+        cls._omnistage_step_takes_generator = cached
+    return cached
 
 
 # -- VAE --------------------------------------------------------------------------------------

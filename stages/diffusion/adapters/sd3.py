@@ -203,24 +203,27 @@ class SD3Denoiser(DenoiserAdapter):
 
 
 class KLVae(VaeAdapter):
-    """AutoencoderKL decode as diffusers' SD3/FLUX pipelines do it, with optional tiling/slicing."""
+    """AutoencoderKL decode as diffusers' SD3/FLUX pipelines do it. Stage params `tiling`,
+    `slicing`, `auto_tile_pixels`, `tile_latent_size`, `tile_overlap` (vae_tiling.py) decode
+    large outputs in tiles / one sample at a time."""
 
     family = "sd3"
 
     def __init__(self, components, device, dtype, options):
         super().__init__(components, device, dtype, options)
-        if options.get("tiling"):
-            self.vae.enable_tiling()
-        if options.get("slicing"):
-            self.vae.enable_slicing()
+        from omnistage.stages.diffusion.vae_tiling import TilingOptions
+
+        self.tiling = TilingOptions.from_params(options)
 
     @torch.no_grad()
     def decode_batch(self, latents: torch.Tensor) -> torch.Tensor:
+        from omnistage.stages.diffusion.vae_tiling import decode_latents
+
         cfg = self.vae.config
         z = latents.to(self.device, self.vae.dtype) / cfg.scaling_factor
         if cfg.get("shift_factor") is not None:
             z = z + cfg.shift_factor
-        image = self.vae.decode(z, return_dict=False)[0]
+        image = decode_latents(self.vae, z, self.tiling)
         return (image / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1)
 
 
