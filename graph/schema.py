@@ -13,7 +13,8 @@ from typing import Any
 from omnistage.graph import fields as F
 from omnistage.graph.spec import PORT_TYPES
 
-_ENV_REF = {"type": "string", "pattern": r"^\$\{[^}]+\}$", "description": "an ${VAR:-default} reference"}
+_ENV_REF = {"type": "string", "pattern": r"\$\{[^}]+\}",
+            "description": "holds an ${VAR:-default} reference, checked after interpolation"}
 
 
 def _field(field: F.Field) -> dict[str, Any]:
@@ -76,7 +77,7 @@ def json_schema() -> dict[str, Any]:
                   "anyOf": [{"type": "string", "minLength": 1}, model_map]},
         "pool": _object(F.POOL, {
             "devices": {"description": F.POOL["devices"].doc,
-                        "anyOf": [{"type": "array", "items": device, "minItems": 1},
+                        "anyOf": [{"type": "array", "items": {"anyOf": [device, _ENV_REF]}, "minItems": 1},
                                   {"type": "string",
                                    "pattern": r"^\s*(cpu|cuda(:[0-9]+)?)(\s*,\s*(cpu|cuda(:[0-9]+)?))*\s*$"},
                                   _ENV_REF]},
