@@ -13,6 +13,8 @@
                different shapes go to different batches); outputs unbound along dim 0
         list   one call per batch, each port given a list of the requests' values; the module
                returns a list (or dict of lists) with one entry per request
+    pass_params: bool                    call `m(**inputs, params=request_params)` (batch "stack":
+                                         the first request's params; "list": {"batch": [...]})
     per_chunk: bool                      with streaming inputs: call the module on every chunk
                                          as it arrives and emit its output at once (default:
                                          concatenate the chunks, then one call)
@@ -104,7 +106,7 @@ class _CallableEngine(DynamicBatchEngine):
         self._chunked: dict[str, StageRequest] = {}
         self.chunks_total = 0
 
-    def call(self, inputs: dict[str, Any]) -> Any:
+    def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
         raise NotImplementedError
 
     def to_outputs(self, result: Any) -> dict[str, Any]:
@@ -154,7 +156,7 @@ class _CallableEngine(DynamicBatchEngine):
                 rids.append(rid)
                 try:
                     with torch.inference_mode():
-                        out = self.to_outputs(self.call({**request.inputs, port: chunk}))
+                        out = self.to_outputs(self.call({**request.inputs, port: chunk}, request.params))
                     self.chunks_total += 1
                     emissions.append(Emission(rid, outputs=out, finished=last))
                 except Exception as exc:  # noqa: BLE001
@@ -196,8 +198,11 @@ class TorchModuleEngine(_CallableEngine):
             module = module.to(device=ctx.device, dtype=ctx.dtype).eval()
         self.module = module
         self.batch_mode = p.get("batch", "none")
+        self.pass_params = bool(p.get("pass_params", False))
 
-    def call(self, inputs: dict[str, Any]) -> Any:
+    def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
+        if self.pass_params:
+            return self.module(**inputs, params=params or {})
         return self.module(**inputs)
 
     def batch_key(self, request: StageRequest):
@@ -212,18 +217,18 @@ class TorchModuleEngine(_CallableEngine):
         with torch.inference_mode():
             if self.batch_mode == "stack":
                 stacked = {k: torch.stack([r.inputs[k] for r in requests]) for k in requests[0].inputs}
-                out = self.to_outputs(self.call(stacked))
+                out = self.to_outputs(self.call(stacked, requests[0].params))
                 return [{k: v[i] for k, v in out.items()} for i in range(len(requests))]
             if self.batch_mode == "list":
                 listed = {k: [r.inputs[k] for r in requests] for k in requests[0].inputs}
-                out = self.call(listed)
+                out = self.call(listed, {"batch": [r.params for r in requests]})
                 if isinstance(out, dict):
                     return [{k: v[i] for k, v in out.items()} for i in range(len(requests))]
                 return [self.to_outputs(o) for o in out]
             results: list[Any] = []
             for r in requests:
                 try:
-                    out = self.call(r.inputs)
+                    out = self.call(r.inputs, r.params)
                     results.append(out if isinstance(out, types.GeneratorType) else self.to_outputs(out))
                 except Exception as exc:  # noqa: BLE001 - only this request fails
                     results.append(exc)
@@ -243,7 +248,7 @@ class NoopEngine(_CallableEngine):
             problems.append("noop: params.inputs and params.outputs must have the same number of ports")
         return problems
 
-    def call(self, inputs: dict[str, Any]) -> Any:
+    def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
         return {o: inputs.get(i) for i, o in zip(self.in_ports, self.output_names)}
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:

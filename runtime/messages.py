@@ -1,0 +1,73 @@
+"""Messages between the orchestrator (parent) and stage workers. Plain picklable dataclasses;
+payloads are encoded with runtime.shm (large CPU tensors travel as ShmRefs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+NOTHING = None  # payload of a "port closed, no more data" delivery
+
+
+@dataclass(slots=True)
+class RequestMeta:
+    params: dict[str, Any] = field(default_factory=dict)  # this stage's per-request params
+    deadline: float | None = None  # time.time() seconds
+
+
+# -- parent -> worker -----------------------------------------------------------------------
+@dataclass(slots=True)
+class Deliver:
+    """Data for one input port of a request (or a start signal when port is None).
+    `slot` is the reader slot of the edge it came over; `last` closes the port."""
+
+    request_id: str
+    port: str | None
+    payload: Any
+    slot: int
+    last: bool
+    has_data: bool
+    meta: RequestMeta | None = None  # sent with the first delivery of a request to a stage
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class StatsQuery:
+    seq: int
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# -- worker -> parent -----------------------------------------------------------------------
+@dataclass(slots=True)
+class Ready:
+    pid: int
+
+
+@dataclass(slots=True)
+class StartFailed:
+    error: str
+
+
+@dataclass(slots=True)
+class Emit:
+    request_id: str
+    outputs: dict[str, Any]  # port -> encoded payload
+    finished: bool
+    error: str | None = None
+    error_kind: str = "internal"
+    progress: tuple[int, int] | None = None
+    acquired_edges: tuple[int, ...] = ()  # indices in spec.edges whose in-flight permit was taken
+
+
+@dataclass(slots=True)
+class StatsReply:
+    seq: int
+    stats: dict[str, Any]

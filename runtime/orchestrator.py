@@ -1,0 +1,574 @@
+"""The orchestrator: starts stage workers and routes every request through the DAG.
+
+One hub thread in the parent waits on all worker pipes and process sentinels
+(multiprocessing.connection.wait). Each emission is routed along the producing port's
+out-edges: to the consumer stage's replica chosen for that request (least loaded, then sticky)
+or, for `outputs.*` edges, to the caller's sink. Payloads are not decoded on the way: large
+tensors stay in the producer's shared segments and only small refs cross the hub.
+
+It also owns: admission (bounded intake), deadlines, aborts (sent to every stage holding the
+request), in-flight permits of edges with max_inflight, worker death (fails exactly the
+requests that worker held with WorkerDiedError, then restarts it), stats queries, and close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import multiprocessing
+import multiprocessing.spawn as mp_spawn
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+from omnistage.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    PipelineClosedError,
+    RequestCancelledError,
+    StageError,
+    WorkerDiedError,
+)
+from omnistage.graph.spec import PIPELINE_INPUTS, PIPELINE_OUTPUTS, PipelineSpec
+from omnistage.runtime.messages import (
+    Abort,
+    Deliver,
+    Emit,
+    Ready,
+    RequestMeta,
+    Shutdown,
+    StartFailed,
+    StatsQuery,
+    StatsReply,
+)
+from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, release_all
+from omnistage.runtime.worker import WorkerConfig, port_out_edges, worker_main
+
+MAX_RESTART_FAILURES = 3
+PRELOAD = ["torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
+
+
+def mp_context():
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # only matters before the fork server first starts
+    return ctx
+
+
+_start_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_main_reimport():
+    """Workers never need the caller's __main__: keep multiprocessing from re-running the
+    caller's script in the fork server and in each worker (so a plain script without an
+    `if __name__ == "__main__"` guard can build pipelines)."""
+    original = mp_spawn.get_preparation_data
+
+    def preparation_data(name):
+        data = original(name)
+        for key in ("init_main_from_path", "init_main_from_name", "main_path"):
+            data.pop(key, None)
+        return data
+
+    with _start_lock:
+        mp_spawn.get_preparation_data = preparation_data
+        try:
+            yield
+        finally:
+            mp_spawn.get_preparation_data = original
+
+
+@dataclass
+class OutputChunk:
+    request_id: str
+    port: str | None  # None for a progress-only chunk
+    data: Any
+    final: bool  # last chunk of this port (data may be None when the producer had nothing more)
+    progress: tuple[int, int] | None = None
+    stage: str | None = None
+
+
+@dataclass
+class RequestEnd:
+    """Last item put in a request's sink; error None means success."""
+
+    request_id: str
+    error: BaseException | None = None
+
+
+Sink = Callable[[Any], None]
+
+
+@dataclass(eq=False)
+class Replica:
+    stage: str
+    index: int
+    device: str
+    generation: int = 0
+    proc: Any = None
+    conn: Any = None
+    ready: bool = False
+    ever_ready: bool = False
+    pid: int | None = None
+    pending: list = field(default_factory=list)  # messages held while the worker starts
+    requests: set = field(default_factory=set)  # request ids routed here, not finished here
+    start_error: str | None = None
+    restart_failures: int = 0
+    restarts: int = 0
+    last_stats: dict = field(default_factory=dict)
+    dead: bool = False  # gave up restarting
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}[{self.index}]"
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    sink: Sink
+    params: dict[str, dict]
+    deadline: float | None
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    open_stages: set = field(default_factory=set)
+    hub_permits: set = field(default_factory=set)  # edge indices whose permit the hub must return
+
+
+class Orchestrator:
+    def __init__(self, spec: PipelineSpec):
+        self.spec = spec
+        self.shm_prefix = f"omnistage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._requests: dict[str, _Request] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self.replicas: dict[str, list[Replica]] = {
+            name: [Replica(name, i, st.pool.device_for_replica(i)) for i in range(max(1, st.pool.replicas))]
+            for name, st in spec.stages.items()
+        }
+        self._port_edges = {name: port_out_edges(spec, name) for name in list(spec.stages) + [PIPELINE_INPUTS]}
+        self._in_edge_idx = {
+            name: [i for i, e in enumerate(spec.edges) if e.dst.stage == name] for name in spec.stages
+        }
+        self._sources = [n for n in spec.stages if not self._in_edge_idx[n]]
+        self._permits: dict[int, Any] = {}
+        self._pool = SegmentPool(f"{self.shm_prefix}-parent")
+        self._reader = SegmentReader()
+        self._ctx = None
+        self._hub: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self.closing = False
+        self.closed = False
+        self.started = False
+        self._stats_seq = 0
+        self.counts = {k: 0 for k in ("ok", "error", "invalid", "cancelled", "deadline", "rejected", "worker_died", "closed")}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self.started:
+                return
+            self.started = True
+        self._ctx = mp_context()
+        for i, e in enumerate(self.spec.edges):
+            if e.max_inflight and e.src.stage in self.spec.stages:
+                self._permits[i] = self._ctx.Semaphore(int(e.max_inflight))
+        for reps in self.replicas.values():
+            for r in reps:
+                self._spawn(r)
+        self._hub = threading.Thread(target=self._hub_loop, name=f"omnistage-hub-{self.spec.name}", daemon=True)
+        self._hub.start()
+
+    def _spawn(self, r: Replica) -> None:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        permits = {i: s for i, s in self._permits.items() if self.spec.edges[i].src.stage == r.stage}
+        cfg = WorkerConfig(self.spec, r.stage, r.index, r.device, self.shm_prefix, permits, r.generation)
+        proc = self._ctx.Process(
+            target=worker_main, args=(cfg, child_conn), name=f"omnistage:{self.spec.name}:{r.name}", daemon=True
+        )
+        with _without_main_reimport():
+            proc.start()
+        child_conn.close()
+        r.proc, r.conn, r.ready, r.pid = proc, parent_conn, False, proc.pid
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self.started and not self.closed and all(r.ready for reps in self.replicas.values() for r in reps)
+
+    def start_errors(self) -> list[str]:
+        return [f"{r.name}: {r.start_error}" for reps in self.replicas.values() for r in reps if r.start_error and not r.ever_ready]
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                failed = [r for reps in self.replicas.values() for r in reps if r.start_error and not r.ever_ready]
+                if failed:
+                    r = failed[0]
+                    raise StageError(r.stage, f"replica {r.index} failed to start: {r.start_error}")
+                if self.ready:
+                    return
+                if self.closed:
+                    raise PipelineClosedError(f"pipeline {self.spec.name!r} is closed")
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    waiting = [r.name for reps in self.replicas.values() for r in reps if not r.ready]
+                    raise TimeoutError(f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})")
+                self._cond.wait(left if left is not None else 1.0)
+
+    def close(self, drain_timeout: float = 30.0) -> None:
+        with self._cond:
+            if self.closed:
+                return
+            self.closing = True
+            end = time.monotonic() + max(0.0, drain_timeout)
+            while self._requests and time.monotonic() < end:
+                self._cond.wait(min(0.1, max(0.0, end - time.monotonic())))
+            for req in list(self._requests.values()):
+                self._finish(req, PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished"), "closed")
+            self._stopping = True
+            for reps in self.replicas.values():
+                for r in reps:
+                    if r.conn is not None and r.ready:
+                        try:
+                            r.conn.send(Shutdown())
+                        except OSError:
+                            pass
+        self._wake()
+        if self._hub is not None:
+            self._hub.join(timeout=10)
+        deadline = time.monotonic() + 5.0
+        for reps in self.replicas.values():
+            for r in reps:
+                if r.proc is None:
+                    continue
+                r.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+                if r.proc.is_alive():
+                    r.proc.kill()
+                    r.proc.join(timeout=5)
+                try:
+                    r.conn.close()
+                except OSError:
+                    pass
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        self._reader.close()
+        self._pool.close()
+        cleanup_prefix(self.shm_prefix)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, inputs: dict[str, Any], params: dict[str, dict] | None, sink: Sink,
+               request_id: str | None = None, deadline: float | None = None) -> str:
+        spec = self.spec
+        if not isinstance(inputs, dict):
+            raise InvalidRequestError("inputs must be a dict {pipeline input port: value}")
+        unknown = set(inputs) - set(spec.inputs)
+        if unknown:
+            raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
+        missing = set(spec.inputs) - set(inputs)
+        if missing:
+            raise InvalidRequestError(f"missing pipeline input(s) {sorted(missing)}")
+        params = dict(params or {})
+        bad = set(params) - set(spec.stages)
+        if bad:
+            raise InvalidRequestError(f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params")
+        if deadline is None and spec.default_deadline_s:
+            deadline = time.time() + spec.default_deadline_s
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            if self.closing or self.closed or not self.started:
+                raise PipelineClosedError(f"pipeline {spec.name!r} is {'not started' if not self.started else 'closed'}")
+            if len(self._requests) >= spec.max_queued_requests:
+                self.counts["rejected"] += 1
+                raise OverloadedError(
+                    f"pipeline {spec.name!r} is overloaded: {len(self._requests)} requests in flight "
+                    f"(max_queued_requests={spec.max_queued_requests}); retry later"
+                )
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+            req = _Request(rid, sink, params, deadline, open_stages=set(spec.stages))
+            self._requests[rid] = req
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, rid))
+                self._wake()
+            for port, value in inputs.items():
+                edges = self._port_edges[PIPELINE_INPUTS].get(port, [])
+                payload = encode(value, self._pool, len(edges)) if edges else None
+                for slot, idx in enumerate(edges):
+                    self._deliver(req, PIPELINE_INPUTS, idx, slot, payload, True, True)
+            for stage in self._sources:
+                self._send(self._replica_for(req, stage), Deliver(rid, None, None, 0, True, False, self._meta(req, stage)))
+        return rid
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._finish(req, RequestCancelledError(f"request {rid} was cancelled"), "cancelled")
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # -- routing (lock held) --------------------------------------------------------------------
+    def _meta(self, req: _Request, stage: str) -> RequestMeta:
+        return RequestMeta(dict(req.params.get(stage) or {}), req.deadline)
+
+    def _replica_for(self, req: _Request, stage: str) -> Replica:
+        r = req.replicas.get(stage)
+        if r is None:
+            reps = [x for x in self.replicas[stage] if not x.dead]
+            ready = [x for x in reps if x.ready] or reps or self.replicas[stage]
+            r = min(ready, key=lambda x: len(x.requests))
+            req.replicas[stage] = r
+            r.requests.add(req.rid)
+        return r
+
+    def _send(self, r: Replica, msg) -> None:
+        if not r.ready:
+            r.pending.append(msg)
+            return
+        try:
+            r.conn.send(msg)
+        except OSError:
+            pass  # the worker died; its sentinel fires and the hub fails its requests
+
+    def _deliver(self, req: _Request, src_stage: str, idx: int, slot: int, payload: Any, has_data: bool, last: bool) -> None:
+        e = self.spec.edges[idx]
+        if e.dst.stage == PIPELINE_OUTPUTS:
+            if has_data or last:
+                data = decode(payload, self._reader, slot) if has_data else None
+                req.sink(OutputChunk(req.rid, e.dst.port, data, last, None, src_stage))
+            return
+        dst = e.dst.stage
+        first = dst not in req.replicas
+        r = self._replica_for(req, dst)
+        self._send(r, Deliver(req.rid, e.dst.port, payload, slot, last, has_data, self._meta(req, dst) if first else None))
+
+    def _finish(self, req: _Request, error: BaseException | None, outcome: str) -> None:
+        """End a request: abort it where it still runs, return permits, tell the caller."""
+        self._requests.pop(req.rid, None)
+        for stage, r in req.replicas.items():
+            if req.rid in r.requests:
+                r.requests.discard(req.rid)
+                if stage in req.open_stages and error is not None:
+                    self._send(r, Abort(req.rid))
+        req.open_stages.clear()
+        for idx in req.hub_permits:
+            self._permits[idx].release()
+        req.hub_permits.clear()
+        self.counts[outcome] += 1
+        req.sink(RequestEnd(req.rid, error))
+        self._cond.notify_all()
+
+    def _on_emit(self, r: Replica, msg: Emit) -> None:
+        stage = r.stage
+        port_edges = self._port_edges[stage]
+        req = self._requests.get(msg.request_id)
+        if req is None or req.replicas.get(stage) is not r or stage not in req.open_stages:
+            for port, payload in msg.outputs.items():
+                for slot in range(len(port_edges.get(port, ()))):
+                    release_all(payload, self._reader, slot)
+            for idx in msg.acquired_edges:
+                self._permits[idx].release()
+            return
+        req.hub_permits.update(msg.acquired_edges)
+        if msg.error is not None:
+            for port, payload in msg.outputs.items():
+                for slot in range(len(port_edges.get(port, ()))):
+                    release_all(payload, self._reader, slot)
+            if msg.error_kind == "invalid_request":
+                self._finish(req, InvalidRequestError(f"stage {stage!r}: {msg.error}"), "invalid")
+            else:
+                self._finish(req, StageError(stage, msg.error), "error")
+            return
+        for port, payload in msg.outputs.items():
+            for slot, idx in enumerate(port_edges.get(port, ())):
+                self._deliver(req, stage, idx, slot, payload, True, msg.finished)
+        if msg.progress is not None:
+            req.sink(OutputChunk(req.rid, None, None, False, tuple(msg.progress), stage))
+        if msg.finished:
+            for port, edges in port_edges.items():
+                if port not in msg.outputs:
+                    for slot, idx in enumerate(edges):
+                        self._deliver(req, stage, idx, slot, None, False, True)
+            req.open_stages.discard(stage)
+            r.requests.discard(req.rid)
+            for idx in self._in_edge_idx[stage]:
+                if idx in req.hub_permits:
+                    req.hub_permits.discard(idx)
+                    self._permits[idx].release()
+            if not req.open_stages:
+                self._finish(req, None, "ok")
+
+    def _on_death(self, r: Replica) -> None:
+        proc = r.proc
+        proc.join(timeout=1)
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        try:
+            import signal as _signal
+
+            if code is not None and code < 0:
+                how = f"killed by {_signal.Signals(-code).name}"
+        except ValueError:
+            pass
+        was_ready = r.ready
+        r.ready = False
+        try:
+            r.conn.close()
+        except OSError:
+            pass
+        r.conn = None
+        held = [self._requests[rid] for rid in list(r.requests) if rid in self._requests]
+        r.requests.clear()
+        for req in held:
+            self._finish(
+                req,
+                WorkerDiedError(r.stage, f"worker process of replica {r.index} (pid {r.pid}) died ({how}) while holding this request"),
+                "worker_died",
+            )
+        if self._stopping or self.closing:
+            return
+        if not was_ready:
+            if r.start_error is None:
+                r.start_error = f"worker process exited during start-up ({how})"
+            if not r.ever_ready:
+                self._cond.notify_all()
+                return  # initial start failed: wait_ready reports it, no restart loop
+            r.restart_failures += 1
+            if r.restart_failures > MAX_RESTART_FAILURES:
+                r.dead = True
+                for msg in r.pending:
+                    if isinstance(msg, Deliver) and msg.request_id in self._requests:
+                        self._finish(self._requests[msg.request_id], WorkerDiedError(r.stage, f"replica {r.index} cannot be restarted: {r.start_error}"), "worker_died")
+                r.pending.clear()
+                return
+        r.pending.clear()
+        r.generation += 1
+        r.restarts += 1
+        self._spawn(r)
+        self._cond.notify_all()
+
+    # -- hub thread -----------------------------------------------------------------------------
+    def _hub_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping and all(r.conn is None or not r.proc.is_alive() for reps in self.replicas.values() for r in reps):
+                    return
+                by_conn = {}
+                by_sentinel = {}
+                for reps in self.replicas.values():
+                    for r in reps:
+                        if r.conn is not None:
+                            by_conn[r.conn] = r
+                            by_sentinel[r.proc.sentinel] = r
+                timeout = 0.5
+                if self._deadlines:
+                    timeout = max(0.0, min(timeout, self._deadlines[0][0] - time.time()))
+            if self._stopping:
+                timeout = min(timeout, 0.05)
+            try:
+                ready = wait(list(by_conn) + list(by_sentinel) + [self._wake_r], timeout)
+            except OSError:
+                ready = []
+            dead: list[Replica] = []
+            for obj in ready:
+                if obj == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except OSError:
+                        pass
+                elif obj in by_conn:
+                    r = by_conn[obj]
+                    try:
+                        while True:
+                            msg = obj.recv()
+                            with self._lock:
+                                self._on_message(r, msg)
+                            if not obj.poll():
+                                break
+                    except (EOFError, OSError):
+                        dead.append(r)
+                else:
+                    dead.append(by_sentinel[obj])
+            with self._lock:
+                for r in dict.fromkeys(dead):
+                    if r.conn is None:
+                        continue
+                    if self._stopping:
+                        r.conn.close()
+                        r.conn = None  # orderly exit after Shutdown
+                    else:
+                        self._on_death(r)
+                self._expire_deadlines()
+
+    def _on_message(self, r: Replica, msg) -> None:
+        if isinstance(msg, Emit):
+            self._on_emit(r, msg)
+        elif isinstance(msg, StatsReply):
+            r.last_stats = msg.stats
+            r.last_stats["seq"] = msg.seq
+            self._cond.notify_all()
+        elif isinstance(msg, Ready):
+            r.ready = r.ever_ready = True
+            r.start_error = None
+            r.restart_failures = 0
+            r.pid = msg.pid
+            pending, r.pending = r.pending, []
+            for m in pending:
+                self._send(r, m)
+            self._cond.notify_all()
+        elif isinstance(msg, StartFailed):
+            r.start_error = msg.error
+            self._cond.notify_all()
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, rid = heapq.heappop(self._deadlines)
+            req = self._requests.get(rid)
+            if req is not None and req.deadline == deadline:
+                self._finish(req, DeadlineExceededError(f"request {rid} exceeded its deadline"), "deadline")
+
+    # -- stats ----------------------------------------------------------------------------------
+    def query_stats(self, timeout: float = 2.0) -> dict[str, list[dict]]:
+        with self._cond:
+            self._stats_seq += 1
+            seq = self._stats_seq
+            asked = []
+            for reps in self.replicas.values():
+                for r in reps:
+                    if r.ready:
+                        self._send(r, StatsQuery(seq))
+                        asked.append(r)
+            end = time.monotonic() + timeout
+            while any(r.ready and r.last_stats.get("seq") != seq for r in asked) and time.monotonic() < end:
+                self._cond.wait(max(0.0, end - time.monotonic()))
+            out = {}
+            for stage, reps in self.replicas.items():
+                out[stage] = [
+                    {"replica": r.index, "ready": r.ready, "restarts": r.restarts, "held_requests": len(r.requests),
+                     **{k: v for k, v in r.last_stats.items() if k != "seq"}}
+                    for r in reps
+                ]
+            return out

@@ -1,0 +1,196 @@
+"""The Pipeline API: the one way work is submitted to a stage graph (see docs/runtime.md).
+
+    p = Pipeline.from_yaml("configs/tiny-diamond.yaml")
+    out = p.run({"x": tensor}, params={"stage": {...}})
+    async for chunk in p.stream(inputs): ...
+    p.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import queue
+import threading
+import time
+import weakref
+from typing import Any, AsyncIterator, Iterable
+
+from omnistage.errors import DeadlineExceededError
+from omnistage.graph.spec import PipelineSpec
+from omnistage.runtime.orchestrator import Orchestrator, OutputChunk, RequestEnd
+from omnistage.stages.dynamic import combine_chunks
+
+__all__ = ["Pipeline", "OutputChunk"]
+
+_live: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_leftovers() -> None:
+    for p in list(_live):
+        try:
+            p.close(drain_timeout=0)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+class Pipeline:
+    def __init__(self, spec: PipelineSpec):
+        self.spec = spec
+        self.name = spec.name
+        self._orch = Orchestrator(spec)
+        _live.add(self)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_yaml(cls, path_or_name: str, overrides: Iterable[str] = (), *, start: bool = True,
+                  wait_ready: bool = True, ready_timeout: float = 600) -> "Pipeline":
+        from omnistage.graph.loader import load_pipeline
+
+        spec = load_pipeline(str(path_or_name), list(overrides))
+        return cls.from_spec(spec, start=start, wait_ready=wait_ready, ready_timeout=ready_timeout)
+
+    @classmethod
+    def from_spec(cls, spec: PipelineSpec, *, start: bool = True, wait_ready: bool = True,
+                  ready_timeout: float = 600) -> "Pipeline":
+        p = cls(spec)
+        if start:
+            p.start()
+            if wait_ready:
+                try:
+                    p.wait_ready(ready_timeout)
+                except BaseException:
+                    p.close(drain_timeout=0)
+                    raise
+        return p
+
+    def start(self) -> None:
+        self._orch.start()
+
+    def wait_ready(self, timeout: float | None = 600) -> None:
+        self._orch.wait_ready(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._orch.ready
+
+    @property
+    def closed(self) -> bool:
+        return self._orch.closing or self._orch.closed
+
+    @property
+    def shm_prefix(self) -> str:
+        return self._orch.shm_prefix
+
+    def worker_pids(self) -> dict[str, list[int | None]]:
+        return {s: [r.proc.pid if r.proc is not None else None for r in reps] for s, reps in self._orch.replicas.items()}
+
+    # -- requests -------------------------------------------------------------------------------
+    def run(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, *,
+            timeout: float | None = None, request_id: str | None = None) -> dict[str, Any]:
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        deadline = time.time() + timeout if timeout is not None else None
+        rid = self._orch.submit(inputs, params, sink.put, request_id, deadline)
+        chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
+        while True:
+            try:
+                # the hub enforces the deadline; the margin only guards against a stuck hub
+                item = sink.get(timeout=None if timeout is None else timeout + 10.0)
+            except queue.Empty:
+                self.abort(rid)
+                raise DeadlineExceededError(f"request {rid} exceeded its deadline") from None
+            if isinstance(item, RequestEnd):
+                if item.error is not None:
+                    raise item.error
+                return {p: combine_chunks(c) for p, c in chunks.items()}
+            if item.port is not None and item.data is not None:
+                chunks.setdefault(item.port, []).append(item.data)
+
+    async def stream(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, *,
+                     request_id: str | None = None, deadline_s: float | None = None) -> AsyncIterator[OutputChunk]:
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: Any) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        deadline = time.time() + deadline_s if deadline_s is not None else None
+        rid = self._orch.submit(inputs, params, sink, request_id, deadline)
+        done = False
+        try:
+            while True:
+                item = await items.get()
+                if isinstance(item, RequestEnd):
+                    done = True
+                    if item.error is not None:
+                        raise item.error
+                    return
+                yield item
+        finally:
+            if not done:
+                self._orch.abort(rid)
+
+    async def generate(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, **kw) -> dict[str, Any]:
+        chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
+        agen = self.stream(inputs, params, **kw)
+        try:
+            async for item in agen:
+                if item.port is not None and item.data is not None:
+                    chunks.setdefault(item.port, []).append(item.data)
+        finally:
+            await agen.aclose()
+        return {p: combine_chunks(c) for p, c in chunks.items()}
+
+    def abort(self, request_id: str) -> None:
+        self._orch.abort(request_id)
+
+    def num_requests(self) -> int:
+        return self._orch.num_requests()
+
+    # -- observability --------------------------------------------------------------------------
+    def replica_stats(self, timeout: float = 2.0) -> dict[str, list[dict[str, Any]]]:
+        """Fresh per-replica figures: queue_depth, inflight, batch/step histograms, outcomes, engine stats."""
+        return self._orch.query_stats(timeout)
+
+    def stage_stats(self, timeout: float = 2.0) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for stage, reps in self.replica_stats(timeout).items():
+            agg: dict[str, Any] = {"replicas": len(reps), "ready_replicas": sum(1 for r in reps if r["ready"]),
+                                   "restarts": sum(r["restarts"] for r in reps),
+                                   "queue_depth": 0, "inflight": 0, "batch_size_last": 0, "step_ms_p50": 0.0}
+            p50s = []
+            for r in reps:
+                agg["queue_depth"] += r.get("queue_depth", 0)
+                agg["inflight"] += r.get("inflight", 0)
+                agg["batch_size_last"] = max(agg["batch_size_last"], r.get("batch_size_last", 0))
+                if r.get("steps"):
+                    p50s.append(r.get("step_ms_p50", 0.0))
+                for k, v in (r.get("engine") or {}).items():
+                    if isinstance(v, (int, float)):
+                        agg[k] = agg.get(k, 0) + v
+            agg["step_ms_p50"] = sorted(p50s)[len(p50s) // 2] if p50s else 0.0
+            out[stage] = agg
+        return out
+
+    @property
+    def request_counts(self) -> dict[str, int]:
+        return dict(self._orch.counts)
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self, drain_timeout: float = 30.0) -> None:
+        self._orch.close(drain_timeout)
+        _live.discard(self)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Pipeline({self.name!r}, stages={list(self.spec.stages)}, ready={self.ready})"
+
+
+def _thread_name() -> str:
+    return threading.current_thread().name

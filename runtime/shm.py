@@ -1,0 +1,229 @@
+"""Shared-memory tensor transport: pooled segments in /dev/shm, zero-copy on the reading side.
+
+A producer copies a CPU tensor once into a segment from its own pool and sends a small
+`ShmRef` instead of the bytes. Each segment is a file `/dev/shm/<prefix>-<pid>-<n>` with a
+64-byte header: byte 0 = number of readers, bytes 1..63 = one "released" flag per reader
+slot. A reader maps the segment (mappings are cached), wraps the bytes in a tensor without
+copying, and sets its slot's flag when that tensor's storage dies. The producer reuses a
+segment once every reader slot is released, so steady state allocates nothing.
+
+Reader slots: a value sent on an output port goes to each of the port's out-edges; edge i
+reads with slot i (the router releases the slots of edges it does not deliver to).
+Files are only unlinked by `cleanup_prefix` when the pipeline closes (a dead worker's
+segments may still be mapped by live readers until then).
+CUDA tensors are left in the message: torch's multiprocessing reductions send them as CUDA
+IPC handles.
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+SHM_DIR = "/dev/shm"
+HEADER = 64
+MAX_READERS = HEADER - 1
+INLINE_MAX_BYTES = 32 * 1024  # smaller tensors are pickled inline
+_MIN_SEGMENT = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """A CPU tensor living in a shared segment."""
+
+    segment: str  # file name under SHM_DIR
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class _Segment:
+    __slots__ = ("name", "size", "mm", "nreaders")
+
+    def __init__(self, name: str, size: int):
+        self.name = name
+        self.size = size
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.nreaders = 0
+
+    def is_free(self) -> bool:
+        n = self.nreaders
+        return n == 0 or self.mm[1 : 1 + n] == b"\x01" * n
+
+
+class SegmentPool:
+    """A producer's segments, grouped by power-of-two size class."""
+
+    def __init__(self, prefix: str):
+        self.prefix = f"{prefix}-{os.getpid()}"
+        self._classes: dict[int, list[_Segment]] = {}
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def _acquire(self, nbytes: int, nreaders: int) -> _Segment:
+        size = max(_MIN_SEGMENT, 1 << (nbytes + HEADER - 1).bit_length())
+        with self._lock:
+            segments = self._classes.setdefault(size, [])
+            for seg in segments:
+                if seg.is_free():
+                    break
+            else:
+                self._count += 1
+                seg = _Segment(f"{self.prefix}-{self._count}", size)
+                segments.append(seg)
+            seg.mm[0:HEADER] = bytes([nreaders]) + b"\x00" * (HEADER - 1)
+            seg.nreaders = nreaders
+            return seg
+
+    def put(self, tensor: torch.Tensor, nreaders: int) -> ShmRef:
+        if not 1 <= nreaders <= MAX_READERS:
+            raise ValueError(f"a shared tensor supports 1..{MAX_READERS} readers, not {nreaders}")
+        nbytes = tensor.numel() * tensor.element_size()
+        seg = self._acquire(nbytes, nreaders)
+        if nbytes:
+            dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=HEADER)
+            dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return ShmRef(seg.name, nbytes, tensor.dtype, tuple(tensor.shape))
+
+    def close(self) -> None:
+        with self._lock:
+            for segments in self._classes.values():
+                for seg in segments:
+                    try:
+                        seg.mm.close()
+                    except BufferError:
+                        pass  # a live view still uses it; the mapping dies with the process
+            self._classes.clear()
+
+
+class SegmentReader:
+    """A reader's cache of mapped segments; turns ShmRefs into zero-copy tensors."""
+
+    def __init__(self):
+        self._maps: dict[str, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def _map(self, name: str) -> mmap.mmap:
+        mm = self._maps.get(name)
+        if mm is None:
+            with self._lock:
+                mm = self._maps.get(name)
+                if mm is None:
+                    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+                    try:
+                        mm = mmap.mmap(fd, os.fstat(fd).st_size)
+                    finally:
+                        os.close(fd)
+                    self._maps[name] = mm
+        return mm
+
+    def tensor(self, ref: ShmRef, slot: int, copy: bool = False) -> torch.Tensor:
+        mm = self._map(ref.segment)
+        if copy or ref.nbytes == 0:
+            out = torch.empty(ref.shape, dtype=ref.dtype)
+            if ref.nbytes:
+                src = torch.frombuffer(mm, dtype=torch.uint8, count=ref.nbytes, offset=HEADER)
+                out.view(torch.uint8).view(-1).copy_(src)
+            self.release(ref, slot)
+            return out
+        arr = np.frombuffer(mm, dtype=np.uint8, count=ref.nbytes, offset=HEADER)
+        # The slot is released when the last tensor viewing these bytes is freed.
+        weakref.finalize(arr, _release, mm, slot)
+        return torch.from_numpy(arr).view(ref.dtype).view(ref.shape)
+
+    def release(self, ref: ShmRef, slot: int) -> None:
+        _release(self._map(ref.segment), slot)
+
+    def close(self) -> None:
+        with self._lock:
+            for mm in self._maps.values():
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+            self._maps.clear()
+
+
+def _release(mm: mmap.mmap, slot: int) -> None:
+    try:
+        mm[1 + slot] = 1
+    except (ValueError, IndexError):
+        pass  # mapping already closed (process shutting down)
+
+
+# -- walking message payloads -------------------------------------------------------------
+def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
+    """Replace large CPU tensors (at any depth of dicts/lists/tuples) by ShmRefs."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.numel() * value.element_size() > INLINE_MAX_BYTES:
+            return pool.put(value.detach(), nreaders)
+        return value
+    if isinstance(value, dict):
+        return {k: encode(v, pool, nreaders) for k, v in value.items()}
+    if isinstance(value, list):
+        return [encode(v, pool, nreaders) for v in value]
+    if isinstance(value, tuple):
+        return tuple(encode(v, pool, nreaders) for v in value)
+    return value
+
+
+def decode(value: Any, reader: SegmentReader, slot: int, copy: bool = False) -> Any:
+    if isinstance(value, ShmRef):
+        return reader.tensor(value, slot, copy=copy)
+    if isinstance(value, dict):
+        return {k: decode(v, reader, slot, copy) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v, reader, slot, copy) for v in value]
+    if isinstance(value, tuple):
+        return tuple(decode(v, reader, slot, copy) for v in value)
+    return value
+
+
+def release_all(value: Any, reader: SegmentReader, slot: int) -> None:
+    """Release `slot` of every ShmRef in a payload that will not be delivered."""
+    if isinstance(value, ShmRef):
+        try:
+            reader.release(value, slot)
+        except FileNotFoundError:
+            pass
+    elif isinstance(value, dict):
+        for v in value.values():
+            release_all(v, reader, slot)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            release_all(v, reader, slot)
+
+
+def has_refs(value: Any) -> bool:
+    if isinstance(value, ShmRef):
+        return True
+    if isinstance(value, dict):
+        return any(has_refs(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(has_refs(v) for v in value)
+    return False
+
+
+def cleanup_prefix(prefix: str) -> int:
+    """Unlink every segment file of a pipeline; returns how many were removed."""
+    removed = 0
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "-*")):
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

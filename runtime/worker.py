@@ -1,0 +1,368 @@
+"""A stage worker: one process hosting one replica of one stage and running its engine loop.
+
+Loop: drain the inbox (deliveries, aborts, stats queries) -> engine.add/feed/abort ->
+engine.step() when it has work -> send emissions to the orchestrator. When idle it blocks on
+the inbox (timeout = engine.next_wakeup()); no busy spin. A reader thread keeps the pipe
+drained so the orchestrator never blocks on a busy worker.
+
+Per-edge backpressure: a request is added to the engine only once the worker holds an
+in-flight permit for each out-edge with `max_inflight`; the orchestrator returns the permit
+when the consumer stage finishes the request (or the request ends).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
+from omnistage.runtime.assembler import InputAssembler
+from omnistage.runtime.messages import (
+    Abort,
+    Deliver,
+    Emit,
+    Ready,
+    Shutdown,
+    StartFailed,
+    StatsQuery,
+    StatsReply,
+)
+from omnistage.runtime.shm import SegmentPool, SegmentReader, decode, encode
+from omnistage.stages.base import Emission, StageContext, StageEngine
+
+STEP_LOG_KEEP = 64
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_MS_BUCKETS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
+PERMIT_POLL_S = 0.002
+
+
+@dataclass
+class WorkerConfig:
+    spec: PipelineSpec
+    stage: str
+    replica: int
+    device: str
+    shm_prefix: str
+    # spec.edges index -> multiprocessing semaphore, for this stage's out-edges with max_inflight
+    permits: dict[int, Any] = field(default_factory=dict)
+    generation: int = 0
+
+
+def port_out_edges(spec: PipelineSpec, stage: str) -> dict[str, list[int]]:
+    """Output port -> indices (in spec.edges) of its out-edges; a port's i-th edge reads with slot i."""
+    out: dict[str, list[int]] = {}
+    for i, e in enumerate(spec.edges):
+        if e.src.stage == stage:
+            out.setdefault(e.src.port, []).append(i)
+    return out
+
+
+def connected_inputs(spec: PipelineSpec, stage: str):
+    return {e.dst.port: e.stream for e in spec.edges if e.dst.stage == stage}
+
+
+def build_engine(cfg: WorkerConfig) -> StageEngine:
+    from omnistage.stages.registry import get_stage_class
+
+    st = cfg.spec.stages[cfg.stage]
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= n:
+            raise RuntimeError(
+                f"stage {cfg.stage!r} replica {cfg.replica}: device {cfg.device} is not available "
+                f"(this machine has {n} CUDA device{'s' if n != 1 else ''})"
+            )
+        torch.cuda.set_device(device)
+    elif device.type != "cpu":
+        raise RuntimeError(f"stage {cfg.stage!r}: unsupported device {cfg.device!r}")
+    model_path = None
+    if st.model is not None:
+        from omnistage.models.recipes import resolve_model
+
+        model_path = str(resolve_model(st.model.source, st.model.subfolder))
+    ctx = StageContext(
+        stage_name=cfg.stage,
+        kind=st.kind,
+        model_path=model_path,
+        model_subfolder=st.model.subfolder if st.model else None,
+        model_prefix=st.model.prefix if st.model else None,
+        device=device,
+        dtype=getattr(torch, st.pool.dtype),
+        batching=st.batching,
+        params=dict(st.params or {}),
+        replica_index=cfg.replica,
+    )
+    return get_stage_class(st.kind)(ctx)
+
+
+class _Stats:
+    def __init__(self):
+        self.batch_size_last = 0
+        self.step_ms: deque[float] = deque(maxlen=256)
+        self.batch_hist = [0] * (len(BATCH_BUCKETS) + 1)
+        self.step_hist = [0] * (len(STEP_MS_BUCKETS) + 1)
+        self.batch_sum = 0
+        self.step_ms_sum = 0.0
+        self.steps = 0
+        self.outcomes = {"ok": 0, "error": 0, "aborted": 0}
+
+    def record_step(self, batch: int, ms: float) -> None:
+        self.batch_size_last = batch
+        self.step_ms.append(ms)
+        self.steps += 1
+        self.batch_sum += batch
+        self.step_ms_sum += ms
+        self.batch_hist[_bucket(BATCH_BUCKETS, batch)] += 1
+        self.step_hist[_bucket(STEP_MS_BUCKETS, ms)] += 1
+
+
+def _bucket(bounds, value) -> int:
+    for i, b in enumerate(bounds):
+        if value <= b:
+            return i
+    return len(bounds)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, conn):
+        self.cfg = cfg
+        self.conn = conn
+        self.spec = cfg.spec
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.pool = SegmentPool(f"{cfg.shm_prefix}-{cfg.stage}{cfg.replica}g{cfg.generation}")
+        self.reader = SegmentReader()
+        self.port_edges = port_out_edges(self.spec, cfg.stage)
+        self.assembler = InputAssembler(connected_inputs(self.spec, cfg.stage))
+        self.permit_edges = sorted(cfg.permits)
+        self.engine: StageEngine | None = None
+        self.active: set[str] = set()  # added to the engine, not finished
+        self.waiting_permits: dict[str, list[tuple]] = {}  # rid -> deferred actions (FIFO)
+        self.unreported_permits: dict[str, list[int]] = {}
+        self.stats = _Stats()
+        self.running = True
+
+    # -- transport -------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.conn.recv())
+        except (EOFError, OSError):
+            self.inbox.put(None)  # the orchestrator is gone
+
+    def send(self, msg) -> None:
+        self.conn.send(msg)
+
+    # -- main ------------------------------------------------------------------------------
+    def run(self) -> None:
+        threading.Thread(target=self._read_loop, name="omnistage-inbox", daemon=True).start()
+        try:
+            self.engine = build_engine(self.cfg)
+        except BaseException as exc:  # noqa: BLE001 - report any start-up failure
+            self.send(StartFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+            return
+        self.send(Ready(os.getpid()))
+        engine = self.engine
+        while self.running:
+            if engine.has_work():
+                timeout = 0.0
+            else:
+                timeout = engine.next_wakeup()
+                if self.waiting_permits:
+                    timeout = PERMIT_POLL_S if timeout is None else min(timeout, PERMIT_POLL_S)
+            self._drain(timeout)
+            if self.waiting_permits:
+                self._admit_waiting()
+            if self.running and engine.has_work():
+                self._step()
+        self._shutdown()
+
+    def _drain(self, timeout: float | None) -> None:
+        try:
+            msg = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(msg)
+            if not self.running:
+                return
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, Deliver):
+            data = decode(msg.payload, self.reader, msg.slot) if msg.has_data else None
+            try:
+                actions = self.assembler.deliver(msg.request_id, msg.port, data, msg.has_data, msg.last, msg.meta)
+            except Exception as exc:  # noqa: BLE001 - bad input for this request only
+                self._fail(msg.request_id, exc)
+                return
+            for action in actions:
+                self._apply(action)
+        elif isinstance(msg, Abort):
+            self._abort(msg.request_id)
+        elif isinstance(msg, StatsQuery):
+            self.send(StatsReply(msg.seq, self.snapshot()))
+        elif isinstance(msg, Shutdown) or msg is None:
+            self.running = False
+
+    def _apply(self, action: tuple) -> None:
+        rid = action[1].request_id if action[0] == "add" else action[1]
+        if rid in self.waiting_permits:
+            self.waiting_permits[rid].append(action)
+            return
+        if action[0] == "add" and self.permit_edges and not self._take_permits(rid):
+            self.waiting_permits[rid] = [action]
+            return
+        engine = self.engine
+        try:
+            if action[0] == "add":
+                engine.add(action[1])
+                self.active.add(rid)
+            elif rid in self.active:
+                engine.feed(rid, action[2], action[3], action[4])
+        except Exception as exc:  # noqa: BLE001 - the engine rejected this request only
+            self._fail(rid, exc)
+
+    def _take_permits(self, rid: str) -> bool:
+        got = []
+        for idx in self.permit_edges:
+            if self.cfg.permits[idx].acquire(block=False):
+                got.append(idx)
+            else:
+                for g in got:
+                    self.cfg.permits[g].release()
+                return False
+        self.unreported_permits[rid] = got
+        return True
+
+    def _admit_waiting(self) -> None:
+        for rid in list(self.waiting_permits):
+            if not self._take_permits(rid):
+                return  # FIFO: later requests wait behind the first
+            for action in self.waiting_permits.pop(rid):
+                self._apply(action)
+
+    def _release_unreported(self, rid: str) -> None:
+        for idx in self.unreported_permits.pop(rid, ()):
+            self.cfg.permits[idx].release()
+
+    def _abort(self, rid: str) -> None:
+        self.assembler.drop(rid)
+        self.waiting_permits.pop(rid, None)
+        self._release_unreported(rid)
+        if rid in self.active:
+            self.active.discard(rid)
+            self.stats.outcomes["aborted"] += 1
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        from omnistage.stages.dynamic import error_emission
+
+        self.assembler.drop(rid)
+        self.waiting_permits.pop(rid, None)
+        if rid in self.active:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001
+                pass
+        self._send_emissions([error_emission(rid, exc)])
+
+    def _step(self) -> None:
+        engine = self.engine
+        n_log = len(engine.step_log)
+        t0 = time.perf_counter()
+        try:
+            emissions = engine.step()
+        except Exception as exc:  # noqa: BLE001 - an engine bug fails what it held, not the worker
+            traceback.print_exc()
+            for rid in list(self.active):
+                self._fail(rid, RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
+            return
+        ms = (time.perf_counter() - t0) * 1000.0
+        log = engine.step_log
+        if len(log) > n_log:
+            batch = log[-1].batch_size
+        else:
+            batch = len({e.request_id for e in emissions})
+        if len(log) > 2 * STEP_LOG_KEEP:
+            del log[:-STEP_LOG_KEEP]
+        self.stats.record_step(batch, ms)
+        if emissions:
+            self._send_emissions(emissions)
+
+    def _send_emissions(self, emissions: list[Emission]) -> None:
+        for em in emissions:
+            rid = em.request_id
+            outputs = {}
+            if em.error is None:
+                for port, value in em.outputs.items():
+                    edges = self.port_edges.get(port)
+                    if edges:
+                        outputs[port] = encode(value, self.pool, len(edges))
+            finished = em.finished or em.error is not None
+            acquired = tuple(self.unreported_permits.pop(rid, ()))
+            self.send(Emit(rid, outputs, finished, em.error, em.error_kind, em.progress, acquired))
+            if finished:
+                if rid in self.active or em.error is not None:
+                    self.stats.outcomes["ok" if em.error is None else "error"] += 1
+                self.active.discard(rid)
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        steps = sorted(s.step_ms)
+        engine_stats = {}
+        try:
+            engine_stats = dict(self.engine.stats())
+            engine_stats.setdefault("engine_requests", float(self.engine.num_requests()))
+        except Exception:  # noqa: BLE001
+            pass
+        return {
+            "pid": os.getpid(),
+            "queue_depth": self.assembler.num_waiting() + len(self.waiting_permits),
+            "inflight": len(self.active),
+            "batch_size_last": s.batch_size_last,
+            "step_ms_p50": steps[len(steps) // 2] if steps else 0.0,
+            "steps": s.steps,
+            "batch_hist": list(s.batch_hist),
+            "batch_sum": s.batch_sum,
+            "step_hist": list(s.step_hist),
+            "step_ms_sum": s.step_ms_sum,
+            "outcomes": dict(s.outcomes),
+            "engine": engine_stats,
+        }
+
+    def _shutdown(self) -> None:
+        try:
+            if self.engine is not None:
+                self.engine.close()
+        finally:
+            self.reader.close()
+            self.pool.close()
+
+
+def worker_main(cfg: WorkerConfig, conn) -> None:
+    """Process entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    threads = max(1, int(cfg.spec.stages[cfg.stage].pool.threads))
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    Worker(cfg, conn).run()
+    conn.close()
