@@ -260,10 +260,12 @@ class Orchestrator:
                 if r.proc.is_alive():
                     r.proc.kill()
                     r.proc.join(timeout=5)
-                try:
-                    r.conn.close()
-                except OSError:
-                    pass
+                if r.conn is not None:
+                    try:
+                        r.conn.close()
+                    except OSError:
+                        pass
+                    r.conn = None
         with self._cond:
             self.closed = True
             self._cond.notify_all()
