@@ -63,14 +63,15 @@ class PipelineEntry:
 
 
 def _stage_readiness(pipeline: Any) -> dict[str, bool]:
-    """Per-stage readiness when the runtime exposes it (stage_ready() or stage_stats()["ready"])."""
-    fn = getattr(pipeline, "stage_ready", None)
+    """Per-stage readiness (every replica of the stage ready), without asking the workers."""
     try:
+        fn = getattr(pipeline, "stage_ready", None)
         if callable(fn):
             return {k: bool(v) for k, v in fn().items()}
-        stats = pipeline.stage_stats()
-        return {k: bool(v["ready"]) for k, v in stats.items() if isinstance(v, dict) and "ready" in v}
-    except Exception:  # a closing pipeline: readiness falls back to the pipeline's flag
+        # The orchestrator's replica table is local state: reading it blocks nothing.
+        replicas = pipeline._orch.replicas
+        return {stage: bool(reps) and all(r.ready for r in reps) for stage, reps in replicas.items()}
+    except Exception:  # noqa: BLE001 - readiness falls back to the pipeline's own flag
         return {}
 
 
@@ -129,12 +130,13 @@ class PipelineRegistry:
         from omnistage.runtime.pipeline import Pipeline
 
         pending = [e for e in self._entries.values() if e.pipeline is None and e.state == LOADING]
-        t0 = {}
-        # Start every pipeline's workers first so they boot in parallel, then wait for each.
+        # Start every pipeline's workers first so they boot in parallel, then wait for each in
+        # its own thread so each turns ready (and reports its load time) as soon as it is.
+        waiters = []
         for entry in pending:
             if self._closing.is_set():
                 return
-            t0[entry.name] = time.monotonic()
+            started = time.monotonic()
             try:
                 pipeline = Pipeline.from_spec(entry.spec, start=True, wait_ready=False)
             except Exception as exc:  # noqa: BLE001 - reported on /ready
@@ -145,21 +147,25 @@ class PipelineRegistry:
                     _close_quietly(pipeline, 0.0)
                     return
                 entry.pipeline = pipeline
-        for entry in pending:
-            if entry.pipeline is None or entry.state != LOADING:
-                continue
-            try:
-                entry.pipeline.wait_ready(self.ready_timeout)
-            except Exception as exc:  # noqa: BLE001
-                if self._closing.is_set():
-                    return
+            waiter = threading.Thread(target=self._wait_ready, args=(entry, started),
+                                      name=f"omnistage-ready-{entry.name}", daemon=True)
+            waiter.start()
+            waiters.append(waiter)
+        for waiter in waiters:
+            waiter.join()
+
+    def _wait_ready(self, entry: PipelineEntry, started: float) -> None:
+        try:
+            entry.pipeline.wait_ready(self.ready_timeout)
+        except Exception as exc:  # noqa: BLE001
+            if not self._closing.is_set():
                 self._fail(entry, exc)
-                continue
-            if self._closing.is_set():
-                return
-            entry.load_seconds = time.monotonic() - t0[entry.name]
-            entry.state = READY
-            log.info("pipeline %r ready in %.1fs", entry.name, entry.load_seconds)
+            return
+        if self._closing.is_set():
+            return
+        entry.load_seconds = time.monotonic() - started
+        entry.state = READY
+        log.info("pipeline %r ready in %.1fs", entry.name, entry.load_seconds)
 
     def _fail(self, entry: PipelineEntry, exc: Exception) -> None:
         entry.state = FAILED

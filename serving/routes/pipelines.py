@@ -3,8 +3,8 @@
 The protocol-specific routes (chat, speech, images) come as their own routers; this one
 exposes any hosted pipeline as it is, which is what tests, debugging and glue code need.
 Request:  {"inputs": {port: value}, "params": {stage: {...}}, "stream": false, "timeout": null}
-Inputs of tensor-like port types (tensor, tokens, embeddings, ...) are built with
-torch.tensor(value); text/json/any are passed through. Outputs: tensors become nested lists.
+Inputs of tensor-like port types are built with torch.tensor(value) (int64 for `tokens`,
+float32 for tensor, embeddings, audio, ...); text/json/any are passed through. Outputs: tensors become nested lists.
 Streamed: one SSE event per chunk {"port", "data", "final", "stage", "progress"}, then [DONE].
 """
 
@@ -37,22 +37,28 @@ def _to_inputs(spec: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     out = {}
+    # Which inputs a request must give is the pipeline's business (some are alternatives,
+    # e.g. prompt | messages | tokens); here only the names and value shapes are checked.
     for port, port_type in spec.inputs.items():
         if port not in inputs:
-            raise InvalidRequestError(f"missing input {port!r} (pipeline inputs: "
-                                      f"{', '.join(spec.inputs)})", param=f"inputs.{port}")
+            continue
         value = inputs[port]
         if port_type in PASS_THROUGH_TYPES:
             out[port] = value
             continue
+        # JSON numbers: token ids are integers, every other tensor-like port is float32.
+        dtype = torch.long if port_type == "tokens" else torch.float32
         try:
-            out[port] = torch.tensor(value)
+            out[port] = torch.tensor(value, dtype=dtype)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidRequestError(f"input {port!r} ({port_type}) is not a numeric array: "
                                       f"{exc}", param=f"inputs.{port}") from exc
     unknown = set(inputs) - set(spec.inputs)
     if unknown:
-        raise InvalidRequestError(f"unknown input port(s): {', '.join(sorted(unknown))}",
+        raise InvalidRequestError(f"unknown input port(s): {', '.join(sorted(unknown))} "
+                                  f"(pipeline inputs: {', '.join(spec.inputs)})", param="inputs")
+    if not out:
+        raise InvalidRequestError(f"no inputs given (pipeline inputs: {', '.join(spec.inputs)})",
                                   param="inputs")
     return out
 
