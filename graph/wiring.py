@@ -49,7 +49,7 @@ def check_edges(node: Node, report: Report) -> list[EdgeInfo]:
         src = _endpoint(m.get("from"), values.get("from"), f"{where}.from", report)
         dst = _endpoint(m.get("to"), values.get("to"), f"{where}.to", report)
         stream = _stream(m.get("stream"), f"{where}.stream", report)
-        if src is None or dst is None or stream is False:
+        if src is None or dst is None:
             continue
         spec = EdgeSpec(src=src, dst=dst, stream=stream, max_inflight=values.get("max_inflight"),
                         pos=m.pos)
@@ -77,21 +77,17 @@ def _endpoint(node: Node | None, value: str | None, where: str, report: Report) 
     return endpoint
 
 
-def _stream(node: Node | None, where: str, report: Report) -> StreamSpec | None | bool:
-    """StreamSpec, None (not streaming) or False (broken: skip the edge)."""
+def _stream(node: Node | None, where: str, report: Report) -> StreamSpec | None:
+    """StreamSpec or None (not streaming); a broken one is reported and read as the default."""
     if node is None:
         return None
     if isinstance(node, ScalarNode) and (node.value is None or isinstance(node.value, bool)):
         return StreamSpec() if node.value else None
     m = report.mapping(node, where, node.pos)
     if m is None:
-        return False
+        return StreamSpec()  # reported; keep the edge so its endpoints are still checked
     report.keys(m, F.STREAM, where, m.pos)
-    before = len(report.problems)
-    values = report.fields(m, F.STREAM, where)
-    if len(report.problems) > before:
-        return False
-    return StreamSpec(**values)
+    return StreamSpec(**report.fields(m, F.STREAM, where))
 
 
 def check_wiring(stages: dict[str, StageInfo], ports: PipelinePorts, edges: list[EdgeInfo],

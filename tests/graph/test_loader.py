@@ -444,3 +444,11 @@ def test_bare_name_resolves_under_the_package_configs(tmp_path):
         load_pipeline("gtest-no-such-pipeline")
     assert info.value.problems[0].startswith(f"{configs / 'gtest-no-such-pipeline.yaml'}:1:1: "
                                              "no such pipeline file")
+
+
+def test_edge_ends_reversed_and_broken_stream_still_checks_endpoints(tmp_path):
+    f, lines = problems(tmp_path, GOOD + "  - {from: enc.emb, to: inputs.prompt}\n"
+                        + "  - {from: lm.txt, to: outputs.text, stream: 3}\n")
+    has(lines, f"{f}:21:25:", "an edge cannot end at inputs.prompt: pipeline inputs are sources")
+    has(lines, f"{f}:22:15:", "has no output port 'txt'")
+    has(lines, f"{f}:22:46:", "edges[6].stream must be a mapping, got number 3")
