@@ -311,14 +311,14 @@ class ARLMStage(StageEngine):
                 live.logprobs[i].extend(_logprob_entries(new_ids, out.new_logprobs))
             if live.texts is not None:
                 delta = live.texts[i].push(new_ids)
+                text = delta.text
+                if not delta.stopped and out.finished:
+                    delta = live.texts[i].finish()
+                    text += delta.text
                 if delta.stopped:
                     live.finish_reasons[i] = "stop"
-                elif out.finished:
-                    delta = live.texts[i].finish()
-                    if delta.stopped:
-                        live.finish_reasons[i] = "stop"
                 if i == 0:
-                    text_delta += delta.text
+                    text_delta += text
             if out.finished and live.finish_reasons[i] is None:
                 live.finish_reasons[i] = out.finish_reason or "stop"
             if i == 0:

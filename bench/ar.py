@@ -1,0 +1,249 @@
+"""`omnistage bench ar --json FILE [--quick]`: the ar_lm stage against transformers.
+
+Workload (issue 3): a random-weight Qwen2 model (hidden 512, 8 layers, 8 heads, 2 KV heads,
+intermediate 1408, vocab 32000, untied, ~55M parameters, float32); 64 requests (fixed seed)
+with prompts of 32..512 tokens and 16..256 output tokens, EOS ignored, all arriving at once.
+Throughput counts each request's requested output tokens only, for every system.
+
+Systems, each in its own process (so its peak RSS is its own) and on the same requests:
+- omnistage: the real runtime (Pipeline with one ar_lm stage, threads=2); engine-direct only
+  when the Pipeline cannot start (the JSON's `omnistage_mode` says which),
+- hf_serial: transformers generate() one request at a time,
+- hf_static: generate() on all requests as one left-padded batch (runs to the longest),
+- hf_generate_batch: transformers continuous batching (ContinuousBatchingManager, default
+  settings, per-request max_new_tokens), warm-up excluded.
+Each figure is the median of `--runs` (default 3) timed passes with min and max.
+
+Also: greedy tokens and logprobs of 8 requests against generate() (`checks.greedy_equal_hf`),
+and the prefix cache: 64 sequential requests sharing a 384-token prefix (unique 32-token
+suffix, 16 output tokens), TTFT p50 with the prefix cache over without (`ratios.prefix_ttft`).
+`--quick` shrinks everything (small model, 8 requests, 1 run) for the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYSTEMS = ("omnistage", "hf_serial", "hf_static", "hf_generate_batch")
+LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omnistage bench ar", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", dest="json_path", help="write the results here")
+    p.add_argument("--quick", action="store_true", help="reduced run for smoke tests (< 60 s)")
+    p.add_argument("--runs", type=int, help="timed passes per system (default 3; --quick 1)")
+    p.add_argument("--model", choices=["55m", "quick", "0.5b"], help="model shape")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (default on CPU) or bfloat16")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems to run")
+    p.add_argument("--requests", type=int, help="workload size (default 64; --quick 8)")
+    p.add_argument("--budget", type=int, default=512,
+                   help="omnistage max_num_batched_tokens (per-step token budget)")
+    p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache part")
+    p.add_argument("--engine-direct", action="store_true",
+                   help="measure omnistage's engine in-process instead of through the runtime")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--job", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    return _orchestrate(args, argv)
+
+
+def _worker(args) -> int:
+    from omnistage.bench.ar_common import write_json
+    from omnistage.bench.ar_systems import run_system
+
+    job = json.loads(Path(args.job).read_text())
+    result = run_system(args.worker, job)
+    write_json(args.out, result)
+    return 0
+
+
+def _make_job(args) -> tuple[dict, dict]:
+    from omnistage.bench.ar_common import (
+        SHAPES,
+        build_bench_checkpoint,
+        make_prefix_workload,
+        make_workload,
+    )
+
+    quick = args.quick
+    shape = SHAPES[args.model or ("quick" if quick else "55m")]
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    n = args.requests or (8 if quick else 64)
+    prompt_range, output_range = ((16, 64), (8, 24)) if quick else ((32, 512), (16, 256))
+    t0 = time.perf_counter()
+    print(f"bench ar: building {shape.name} checkpoint ({shape.num_params() / 1e6:.1f}M params)",
+          file=sys.stderr, flush=True)
+    checkpoint = build_bench_checkpoint(shape, dtype)
+    print(f"bench ar: checkpoint ready in {time.perf_counter() - t0:.1f}s: {checkpoint}",
+          file=sys.stderr, flush=True)
+    workload = make_workload(n, prompt_range, output_range, shape.vocab_size, seed=0)
+    n_check = 4 if quick else 8
+    check_lens = [min(n_out, 8 if quick else 32) for n_out in workload.output_lens[:n_check]]
+    job = {
+        "checkpoint": str(checkpoint), "device": args.device, "dtype": dtype,
+        "threads": args.threads, "runs": args.runs or (1 if quick else 3),
+        "budget": args.budget, "engine_direct": args.engine_direct,
+        "prompts": workload.prompts, "output_lens": workload.output_lens,
+        "check_prompts": workload.prompts[:n_check], "check_output_lens": check_lens,
+    }
+    prefix_desc = None
+    if not args.no_prefix:
+        pw = make_prefix_workload(8 if quick else 64, 64 if quick else 384, 8 if quick else 32,
+                                  4 if quick else 16, shape.vocab_size)
+        job["prefix"] = {"prompts": pw.prompts, "output_len": pw.output_len}
+        prefix_desc = {"requests": len(pw.prompts), "prefix_len": pw.prefix_len,
+                       "suffix_len": len(pw.prompts[0]) - pw.prefix_len,
+                       "output_len": pw.output_len, "arrival": "sequential",
+                       "cached": "one cache_salt shared by all requests (first one warms)",
+                       "uncached": "a unique cache_salt per request (no sharing)"}
+    meta = {
+        "model": {**shape.__dict__, "params_m": round(shape.num_params() / 1e6, 1),
+                  "dtype": dtype, "checkpoint": str(checkpoint), "init": "random, std 0.2"},
+        "workload": {"requests": n, "prompt_len_range": list(prompt_range),
+                     "output_len_range": list(output_range), "seed": workload.seed,
+                     "eos": "ignored", "arrival": "all at once",
+                     "requested_output_tokens": workload.requested_tokens,
+                     "prompt_tokens": sum(len(p) for p in workload.prompts),
+                     "ttft_from": "workload arrival (includes queueing)"},
+        "prefix_workload": prefix_desc,
+    }
+    return job, meta
+
+
+def _run_subprocess(system: str, job_path: Path, out_path: Path, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "omnistage.bench.ar", "--worker", system,
+           "--job", str(job_path), "--out", str(out_path)]
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = (proc.stderr or proc.stdout or "")[-3000:]
+        return {"error": f"exit {proc.returncode}: {tail}"}
+    result = json.loads(out_path.read_text())
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _orchestrate(args, argv: list[str]) -> int:
+    from omnistage.bench.ar_common import aggregate, median_min_max, write_json
+
+    started = time.time()
+    job, meta = _make_job(args)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
+        job_path = Path(tmp) / "job.json"
+        job_path.write_text(json.dumps(job))
+        for system in systems:
+            print(f"bench ar: running {system} ...", file=sys.stderr, flush=True)
+            res = _run_subprocess(system, job_path, Path(tmp) / f"{system}.json",
+                                  timeout=300 if args.quick else 3600)
+            results[system] = res
+            if "error" in res:
+                print(f"bench ar: {system} FAILED: {res['error'][-800:]}", file=sys.stderr)
+            else:
+                agg = aggregate(res["runs"])
+                print(f"bench ar: {system}: {agg['output_tok_s']['median']:.1f} tok/s "
+                      f"(ttft p50 {agg['ttft_ms_p50']['median']:.0f} ms, tpot p50 "
+                      f"{agg['tpot_ms_p50']['median']:.1f} ms, peak RSS "
+                      f"{res['peak_rss_mb']:.0f} MiB, {res['process_wall_s']:.0f}s)",
+                      file=sys.stderr, flush=True)
+
+    out = {
+        "bench": "ar", "quick": args.quick,
+        "command": " ".join(["omnistage", "bench", "ar", *argv]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "device": args.device, "threads": args.threads},
+        **meta, "systems": {}, "ratios": {}, "checks": {},
+    }
+    for system, res in results.items():
+        if "error" in res:
+            out["systems"][system] = {"error": res["error"]}
+            continue
+        entry = {**aggregate(res["runs"]), "peak_rss_mb": res["peak_rss_mb"],
+                 "settings": res.get("settings", {})}
+        if system == "omnistage":
+            entry["mode"] = res.get("mode")
+            entry["engine_stats"] = res.get("engine_stats", {})
+            out["omnistage_mode"] = res.get("mode")
+        out["systems"][system] = entry
+
+    def tok_s(system):
+        entry = out["systems"].get(system, {})
+        return entry.get("output_tok_s", {}).get("median")
+
+    omni = tok_s("omnistage")
+    for key, base in (("vs_hf_serial", "hf_serial"), ("vs_hf_static", "hf_static"),
+                      ("vs_hf_generate_batch", "hf_generate_batch")):
+        out["ratios"][key] = omni / tok_s(base) if omni and tok_s(base) else None
+
+    omni_res = results.get("omnistage", {})
+    prefix = omni_res.get("prefix")
+    if prefix:
+        out["prefix_cache"] = {
+            "ttft_ms_p50_cached": median_min_max(prefix["cached"]),
+            "ttft_ms_p50_uncached": median_min_max(prefix["uncached"]),
+            "cached_prompt_share": median_min_max(prefix["cached_share"]),
+        }
+        un = out["prefix_cache"]["ttft_ms_p50_uncached"]["median"]
+        out["ratios"]["prefix_ttft"] = out["prefix_cache"]["ttft_ms_p50_cached"]["median"] / un
+    else:
+        out["ratios"]["prefix_ttft"] = None
+    out["checks"] = _greedy_check(omni_res.get("greedy"),
+                                  results.get("hf_serial", {}).get("greedy_reference"),
+                                  LOGPROB_TOLERANCE.get(job["dtype"], 1e-3))
+    out["targets"] = {"vs_hf_serial": 6, "vs_hf_static": 2, "vs_hf_generate_batch": 5,
+                      "prefix_ttft_max": 0.2}
+    out["elapsed_s"] = time.time() - started
+    if args.json_path:
+        write_json(args.json_path, out)
+    print(json.dumps({"ratios": out["ratios"], "checks": out["checks"],
+                      "omnistage_mode": out.get("omnistage_mode")}, indent=2))
+    failed = [s for s, r in results.items() if "error" in r]
+    return 1 if "omnistage" in failed else 0
+
+
+def _greedy_check(ours, reference, tolerance: float) -> dict:
+    if not ours or not reference:
+        return {"greedy_equal_hf": None, "reason": "omnistage or hf_serial did not run"}
+    tokens_equal = all(a["tokens"] == b["tokens"] for a, b in zip(ours, reference))
+    diffs = [abs(x - y) for a, b in zip(ours, reference)
+             for x, y in zip(a["logprobs"], b["logprobs"])]
+    have_logprobs = all(len(a["logprobs"]) == len(a["tokens"]) for a in ours)
+    max_diff = max(diffs) if diffs else None
+    return {
+        "greedy_equal_hf": bool(tokens_equal and have_logprobs and max_diff is not None
+                                and max_diff <= tolerance),
+        "tokens_equal": tokens_equal,
+        "max_logprob_abs_diff": max_diff,
+        "logprob_tolerance": tolerance,
+        "requests": len(ours),
+        "tokens_compared": sum(len(a["tokens"]) for a in reference),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

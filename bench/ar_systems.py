@@ -1,0 +1,425 @@
+"""The systems the AR benchmark measures, each run in its own process (see bench/ar.py).
+
+Every runner takes the same job dict (checkpoint, workload, runs, ...) and returns a result
+dict: per-run summaries, settings, peak RSS of its process tree, and extra outputs (greedy
+tokens and logprobs for the correctness check, prefix-cache figures).
+
+TTFT is measured from the moment the whole workload arrives (all requests at once), so a
+serial system's TTFT includes the time its requests wait for the ones before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.bench.ar_common import (
+    RunMetrics,
+    percentile,
+    tpot,
+    tree_peak_rss_mb,
+)
+
+
+# -- transformers baselines ------------------------------------------------------------------
+def _hf_model(job: dict):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        job["checkpoint"], dtype=getattr(torch, job["dtype"]), attn_implementation="sdpa")
+    return model.to(job["device"]).eval()
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it records when each decoding step finished."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.is_cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _generate(model, input_ids, attention_mask, max_new_tokens, clock=None, **kw):
+    from transformers import StoppingCriteriaList
+
+    return model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([clock]) if clock else None, **kw)
+
+
+def run_hf_serial(job: dict) -> dict:
+    model = _hf_model(job)
+    dev = job["device"]
+    prompts, outs = job["prompts"], job["output_lens"]
+    with torch.inference_mode():
+        _generate(model, torch.tensor([prompts[0][:16]], device=dev), None, 4)  # warm-up
+        runs = []
+        for _ in range(job["runs"]):
+            metrics = RunMetrics(0.0, sum(outs))
+            t0 = time.perf_counter()
+            for prompt, n in zip(prompts, outs):
+                clock = _StepClock()
+                ids = torch.tensor([prompt], device=dev)
+                _generate(model, ids, torch.ones_like(ids), n, clock)
+                metrics.ttft_s.append(clock.times[0] - t0)
+                if (v := tpot(clock.times[0], clock.times[n - 1], n)) is not None:
+                    metrics.tpot_s.append(v)
+            metrics.wall_s = time.perf_counter() - t0
+            runs.append(metrics.summary())
+        reference = _greedy_reference(model, job)
+    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "greedy_reference": reference,
+            "settings": {"attn_implementation": "sdpa", "threads": torch.get_num_threads()}}
+
+
+def _greedy_reference(model, job: dict) -> list[dict]:
+    """Greedy tokens and their logprobs from generate() for the check requests."""
+    out = []
+    for prompt, n in zip(job["check_prompts"], job["check_output_lens"]):
+        ids = torch.tensor([prompt], device=job["device"])
+        res = _generate(model, ids, torch.ones_like(ids), n, output_logits=True,
+                        return_dict_in_generate=True)
+        tokens = res.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                    for step, t in zip(res.logits, tokens)]
+        out.append({"tokens": tokens, "logprobs": logprobs})
+    return out
+
+
+def run_hf_static(job: dict) -> dict:
+    model = _hf_model(job)
+    dev = job["device"]
+    prompts, outs = job["prompts"], job["output_lens"]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    with torch.inference_mode():
+        _generate(model, ids[:2, -16:], mask[:2, -16:], 4)  # warm-up
+        runs = []
+        for _ in range(job["runs"]):
+            clock = _StepClock()
+            t0 = time.perf_counter()
+            _generate(model, ids, mask, max(outs), clock)
+            wall = time.perf_counter() - t0
+            metrics = RunMetrics(wall, sum(outs))
+            for n in outs:
+                metrics.ttft_s.append(clock.times[0] - t0)
+                if (v := tpot(clock.times[0], clock.times[n - 1], n)) is not None:
+                    metrics.tpot_s.append(v)
+            runs.append(metrics.summary())
+    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(),
+            "settings": {"batch": len(prompts), "padded_prompt_len": width,
+                         "max_new_tokens": max(outs), "padding": "left",
+                         "attn_implementation": "sdpa", "threads": torch.get_num_threads()}}
+
+
+def run_hf_generate_batch(job: dict) -> dict:
+    """transformers continuous batching (ContinuousBatchingManager), default settings."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    model = _hf_model(job)
+    prompts, outs = job["prompts"], job["output_lens"]
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1,
+                                  pad_token_id=0)
+    cb_config = ContinuousBatchingConfig()
+    runs, settings = [], {}
+    for r in range(job["runs"]):
+        # A fresh manager per run: its block sharing would otherwise hit on the previous
+        # run's identical prompts.
+        with model.continuous_batching_context_manager(
+                generation_config=gen_config, continuous_batching_config=cb_config,
+                block=True, timeout=10) as manager:
+            _cb_collect(manager, [(f"warm{r}_{i}", prompts[i][:16], 4) for i in range(2)])
+            t0 = time.perf_counter()
+            results = _cb_collect(manager, [(f"r{r}_{i}", p, n)
+                                            for i, (p, n) in enumerate(zip(prompts, outs))])
+            wall = time.perf_counter() - t0
+            metrics = RunMetrics(wall, sum(outs))
+            for i, n in enumerate(outs):
+                ts = results[f"r{r}_{i}"].timestamps
+                if len(results[f"r{r}_{i}"].generated_tokens) != n:
+                    raise RuntimeError(f"generate_batch returned {len(results[f'r{r}_{i}'].generated_tokens)} "
+                                       f"tokens for request {i}, asked {n}")
+                metrics.ttft_s.append(ts[0] - t0)
+                if (v := tpot(ts[0], ts[n - 1], n)) is not None:
+                    metrics.tpot_s.append(v)
+            runs.append(metrics.summary())
+            cfg = manager.continuous_batching_config
+            settings = {k: _plain(v) for k, v in vars(cfg).items()}
+            settings["attn_implementation"] = str(model.config._attn_implementation)
+    settings["threads"] = torch.get_num_threads()
+    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "settings": settings}
+
+
+def _cb_collect(manager, requests):
+    for rid, prompt, n in requests:
+        manager.add_request(list(prompt), request_id=rid, max_new_tokens=n,
+                            record_timestamps=True, eos_token_id=-1)
+    pending = {rid for rid, _, _ in requests}
+    results = {}
+    while pending:
+        res = manager.get_result(timeout=1)
+        if res is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers continuous batching stopped")
+            continue
+        if res.is_finished() and res.request_id in pending:
+            if res.error:
+                raise RuntimeError(f"generate_batch request failed: {res.error}")
+            results[res.request_id] = res
+            pending.discard(res.request_id)
+    return results
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+
+
+# -- omnistage -------------------------------------------------------------------------------
+PIPELINE_YAML = """\
+name: bench-ar
+inputs: {{tokens: tokens}}
+outputs: {{tokens: tokens, info: json}}
+stages:
+  llm:
+    kind: ar_lm
+    model: {checkpoint}
+    pool: {{devices: [{device}], threads: {threads}, dtype: {dtype}}}
+    batching: {{policy: continuous, max_num_batched_tokens: {budget}, max_num_seqs: {max_seqs}}}
+    params: {{block_size: {block_size}, num_kv_blocks: {num_kv_blocks}, max_model_len: {max_model_len}}}
+edges:
+  - {{from: inputs.tokens, to: llm.tokens}}
+  - {{from: llm.tokens, to: outputs.tokens, stream: true}}
+  - {{from: llm.info, to: outputs.info}}
+"""
+
+
+def omnistage_settings(job: dict) -> dict:
+    longest = max(len(p) + n for p, n in zip(job["prompts"], job["output_lens"]))
+    block = 16
+    blocks = sum(-(-(len(p) + n) // block) for p, n in zip(job["prompts"], job["output_lens"]))
+    return {
+        "checkpoint": job["checkpoint"], "device": job["device"], "dtype": job["dtype"],
+        "threads": job["threads"], "budget": job.get("budget", 512),
+        "max_seqs": max(len(job["prompts"]), 1), "block_size": block,
+        "num_kv_blocks": int(blocks * 1.25) + 64, "max_model_len": max(longest, 1024),
+    }
+
+
+class _PipelineDriver:
+    """Submits requests through omnistage.Pipeline.stream and times their token chunks."""
+
+    mode = "pipeline"
+
+    def __init__(self, job: dict, settings: dict):
+        from omnistage import Pipeline
+
+        self._tmp = tempfile.TemporaryDirectory()
+        path = Path(self._tmp.name) / "bench-ar.yaml"
+        path.write_text(PIPELINE_YAML.format(**settings))
+        self.pipeline = Pipeline.from_yaml(str(path))
+
+    async def one(self, prompt, params, t0) -> dict:
+        first = last = None
+        tokens, info = [], None
+        async for chunk in self.pipeline.stream({"tokens": list(prompt)}, {"llm": params}):
+            if chunk.port == "tokens" and chunk.data is not None and len(chunk.data):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                data = chunk.data
+                tokens.extend(data.tolist() if hasattr(data, "tolist") else data)
+            elif chunk.port == "info" and chunk.data is not None:
+                info = chunk.data
+        return {"first": first - t0, "last": last - t0, "count": len(tokens), "info": info,
+                "tokens": tokens, "t_first": first, "t_last": last}
+
+    def run_all(self, prompts, params_list) -> tuple[list[dict], float, float]:
+        async def go():
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*(self.one(p, q, t0) for p, q in zip(prompts, params_list)))
+            return res, t0, time.perf_counter()
+
+        return asyncio.run(go())
+
+    def stats(self) -> dict:
+        try:
+            return self.pipeline.stage_stats().get("llm", {})
+        except Exception:  # noqa: BLE001 - stats are informative only
+            return {}
+
+    def close(self):
+        self.pipeline.close()
+        self._tmp.cleanup()
+
+
+class _EngineDriver:
+    """Fallback: drives the ar_lm stage's LLMEngine in this process (no runtime)."""
+
+    mode = "engine-direct"
+
+    def __init__(self, job: dict, settings: dict):
+        from omnistage.stages.ar import EngineConfig, LLMEngine
+
+        torch.set_num_threads(settings["threads"])
+        self.engine = LLMEngine(EngineConfig(
+            model_path=settings["checkpoint"], dtype=getattr(torch, settings["dtype"]),
+            device=settings["device"], block_size=settings["block_size"],
+            num_kv_blocks=settings["num_kv_blocks"], max_num_batched_tokens=settings["budget"],
+            max_num_seqs=settings["max_seqs"], max_model_len=settings["max_model_len"]))
+        self._n = 0
+
+    def run_all(self, prompts, params_list):
+        from omnistage.stages.ar import SamplingParams
+
+        t0 = time.perf_counter()
+        state = {}
+        for prompt, params in zip(prompts, params_list):
+            rid = f"e{self._n}"
+            self._n += 1
+            p = dict(params)
+            salt = p.pop("cache_salt", None)
+            self.engine.add_request(rid, list(prompt), SamplingParams.from_dict(p), cache_salt=salt)
+            state[rid] = {"first": None, "last": None, "count": 0, "logprobs": [], "info": None}
+        order = list(state)
+        while self.engine.has_unfinished_requests():
+            outs = self.engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                s = state[o.request_id]
+                if o.new_token_ids:
+                    s["first"] = s["first"] if s["first"] is not None else now
+                    s["last"] = now
+                    s["count"] += len(o.new_token_ids)
+                    if o.new_logprobs:
+                        s["logprobs"] += [{"logprob": lp[t]} for t, lp in zip(o.new_token_ids, o.new_logprobs)]
+                    s.setdefault("tokens", []).extend(o.new_token_ids)
+                if o.finished:
+                    s["info"] = {"usage": {"prompt_tokens": o.num_prompt_tokens,
+                                           "cached_tokens": o.num_cached_tokens},
+                                 "logprobs": s["logprobs"], "tokens": s.get("tokens", [])}
+        res = []
+        for rid in order:
+            s = state[rid]
+            res.append({"first": s["first"] - t0, "last": s["last"] - t0, "count": s["count"],
+                        "info": s["info"], "tokens": s.get("tokens", []),
+                        "t_first": s["first"], "t_last": s["last"]})
+        return res, t0, time.perf_counter()
+
+    def stats(self):
+        return self.engine.stats()
+
+    def close(self):
+        pass
+
+
+def run_omnistage(job: dict) -> dict:
+    settings = omnistage_settings(job)
+    driver = None
+    if not job.get("engine_direct"):
+        try:
+            driver = _PipelineDriver(job, settings)
+        except Exception as exc:  # noqa: BLE001 - fall back, and say so in the JSON
+            fallback_reason = f"{type(exc).__name__}: {exc}"
+            print(f"bench ar: Pipeline unavailable ({fallback_reason}); measuring engine-direct",
+                  flush=True)
+    if driver is None:
+        driver = _EngineDriver(job, settings)
+    try:
+        return _omnistage_measure(driver, job, settings)
+    finally:
+        driver.close()
+
+
+def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
+    prompts, outs = job["prompts"], job["output_lens"]
+
+    def params(n, salt, **extra):
+        return {"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "cache_salt": salt, **extra}
+
+    # warm-up (excluded): a few requests of the workload's shapes
+    driver.run_all(prompts[:4], [params(min(8, n), "warmup") for n in outs[:4]])
+    runs = []
+    for r in range(job["runs"]):
+        # a fresh cache salt per run, so a run never hits the previous run's identical prompts
+        res, t0, t_end = driver.run_all(prompts, [params(n, f"run{r}") for n in outs])
+        got = [x["count"] for x in res]
+        if got != list(outs):
+            raise RuntimeError(f"omnistage returned {got[:8]}... tokens, asked {outs[:8]}...")
+        metrics = RunMetrics(t_end - t0, sum(outs))
+        for x, n in zip(res, outs):
+            metrics.ttft_s.append(x["first"])
+            if (v := tpot(x["t_first"], x["t_last"], n)) is not None:
+                metrics.tpot_s.append(v)
+        runs.append(metrics.summary())
+        print(f"bench ar: omnistage run {r + 1}/{job['runs']}: {metrics.tok_s:.1f} tok/s", flush=True)
+
+    # greedy check requests: tokens + logprobs
+    res, _, _ = driver.run_all(job["check_prompts"],
+                               [params(n, "check", logprobs=0) for n in job["check_output_lens"]])
+    greedy = []
+    for x in res:
+        info = x["info"] or {}
+        lps = info.get("logprobs") or []
+        greedy.append({"tokens": x["tokens"], "logprobs": [e["logprob"] for e in lps]})
+
+    prefix = _prefix_part(driver, job) if job.get("prefix") else None
+    stats = driver.stats()
+    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "greedy": greedy, "prefix": prefix,
+            "mode": driver.mode, "settings": settings,
+            "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
+
+
+def _prefix_part(driver, job: dict) -> dict:
+    """Sequential requests sharing a long prefix: TTFT with the prefix cache vs without."""
+    spec = job["prefix"]
+    prompts, n = spec["prompts"], spec["output_len"]
+    result = {"cached": [], "uncached": [], "cached_share": []}
+    for r in range(job["runs"]):
+        for mode in ("uncached", "cached"):
+            ttfts, cached, total = [], 0, 0
+            for i, prompt in enumerate(prompts):
+                # cached: one salt, so every request after the first reuses the prefix blocks;
+                # uncached: a unique salt per request, so nothing is ever shared.
+                salt = f"prefix{r}" if mode == "cached" else f"prefix{r}-{i}"
+                (x,), t0, _ = driver.run_all([prompt], [{"max_tokens": n, "temperature": 0.0,
+                                                         "ignore_eos": True, "cache_salt": salt}])
+                usage = (x["info"] or {}).get("usage", {})
+                if i > 0:  # the first request warms the cache
+                    ttfts.append(x["first"])
+                    cached += usage.get("cached_tokens", 0)
+                    total += usage.get("prompt_tokens", len(prompt))
+            result[mode].append(percentile(ttfts, 50) * 1e3)
+            if mode == "cached":
+                result["cached_share"].append(cached / max(total, 1))
+    return result
+
+
+RUNNERS = {
+    "omnistage": run_omnistage,
+    "hf_serial": run_hf_serial,
+    "hf_static": run_hf_static,
+    "hf_generate_batch": run_hf_generate_batch,
+}
+
+
+def run_system(name: str, job: dict) -> dict:
+    torch.set_num_threads(job["threads"])
+    if job["device"].startswith("cuda"):
+        torch.cuda.set_device(torch.device(job["device"]))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return RUNNERS[name](job)
