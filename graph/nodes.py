@@ -31,7 +31,7 @@ class Problem:
 class ScalarNode:
     value: Any  # str | int | float | bool | None
     pos: SourcePos
-    quoted: bool = False  # written in quotes: never re-read as a number/list after interpolation
+    quoted: bool = False  # written in quotes (sub-positions skip the opening quote)
     source_text: str | None = None  # the raw line(s) the scalar starts on, for sub-positions
     broken: bool = False  # already reported (failed interpolation): later checks stay quiet
     text: str | None = None  # an interpolated value's text: what a string-typed field reads
@@ -131,7 +131,7 @@ def _convert(obj: Any, pos: SourcePos, file: str, lines: list[str]) -> Node:
         for key, value in obj.items():
             kl, kc = obj.lc.key(key)
             vl, vc = obj.lc.value(key)
-            key_str = str(key) if not isinstance(key, str) else str(key)
+            key_str = str(key)  # non-string keys (`1: x`) are reported by name checks
             node.entries[key_str] = _convert(value, _pos(file, vl, vc), file, lines)
             node.key_pos[key_str] = _pos(file, kl, kc)
         return node

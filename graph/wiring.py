@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from omnistage.graph import fields as F
 from omnistage.graph.checks import Report, did_you_mean
-from omnistage.graph.nodes import MapNode, Node, ScalarNode, SeqNode
+from omnistage.graph.nodes import Node, ScalarNode
 from omnistage.graph.spec import (
     PIPELINE_INPUTS,
     PIPELINE_OUTPUTS,
