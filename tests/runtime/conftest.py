@@ -1,0 +1,50 @@
+"""Pipelines shared by the runtime tests (starting worker processes costs seconds)."""
+
+from __future__ import annotations
+
+import pytest
+
+SMALL_YAML = """
+name: sleepy
+inputs: {x: tensor}
+outputs: {y: tensor}
+stages:
+  sleeper:
+    kind: torch_module
+    params:
+      factory: omnistage.runtime.testmodules:Sleeper
+      inputs: {x: tensor}
+      outputs: {y: tensor}
+      pass_params: true
+    batching: {policy: none}
+  copy:
+    kind: noop
+    params: {inputs: {x: tensor}, outputs: {y: tensor}}
+    batching: {policy: dynamic, max_batch_size: 8, max_wait_ms: 0}
+edges:
+  - {from: inputs.x, to: sleeper.x}
+  - {from: sleeper.y, to: copy.x}
+  - {from: copy.y, to: outputs.y}
+limits:
+  max_queued_requests: 3
+"""
+
+
+@pytest.fixture(scope="session")
+def diamond():
+    from omnistage.runtime.pipeline import Pipeline
+
+    # a wider batching window on `dense` makes the poisoned-batch test deterministic
+    p = Pipeline.from_yaml("tiny-diamond", ["stages.dense.batching.max_wait_ms=40"], ready_timeout=120)
+    yield p
+    p.close(drain_timeout=5)
+
+
+@pytest.fixture(scope="session")
+def sleepy():
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    p = Pipeline.from_spec(load_pipeline_text(SMALL_YAML, "sleepy.yaml"), ready_timeout=120)
+    yield p
+    p.close(drain_timeout=5)

@@ -1,0 +1,56 @@
+"""Admission, deadlines, errors and large tensors on a two-stage pipeline (sleeper -> copy)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from omnistage.errors import DeadlineExceededError, InvalidRequestError, OverloadedError
+
+
+def test_full_intake_rejects_at_once(sleepy):
+    assert sleepy.spec.max_queued_requests == 3
+    done = []
+    threads = [
+        threading.Thread(target=lambda: done.append(sleepy.run({"x": torch.ones(2)}, {"sleeper": {"delay": 0.6}})))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while sleepy.num_requests() < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    t0 = time.monotonic()
+    with pytest.raises(OverloadedError, match="overloaded"):
+        sleepy.run({"x": torch.ones(2)})
+    assert time.monotonic() - t0 < 0.5
+    for t in threads:
+        t.join(30)
+    assert len(done) == 3 and all(torch.equal(d["y"], torch.ones(2)) for d in done)
+    assert sleepy.request_counts["rejected"] >= 1
+
+
+def test_deadline_exceeded(sleepy):
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceededError):
+        sleepy.run({"x": torch.ones(2)}, {"sleeper": {"delay": 1.5}}, timeout=0.3)
+    assert time.monotonic() - t0 < 1.2
+    # the stage finishes its sleep, then the pipeline serves the next request normally
+    assert torch.equal(sleepy.run({"x": torch.ones(3)}, timeout=10)["y"], torch.ones(3))
+
+
+def test_invalid_request_error_reaches_the_caller(sleepy):
+    with pytest.raises(InvalidRequestError, match="asked to be invalid"):
+        sleepy.run({"x": torch.ones(2)}, {"sleeper": {"invalid": True}})
+    with pytest.raises(InvalidRequestError, match="missing pipeline input"):
+        sleepy.run({})
+    with pytest.raises(InvalidRequestError, match="unknown stage"):
+        sleepy.run({"x": torch.ones(1)}, {"nope": {}})
+
+
+def test_64mib_tensor_round_trip(sleepy):
+    x = torch.randn(16 * 1024 * 1024)  # 64 MiB of float32
+    for _ in range(2):  # the second trip reuses the pooled segments
+        y = sleepy.run({"x": x}, timeout=60)["y"]
+        assert torch.equal(x, y)

@@ -1,0 +1,156 @@
+"""The tiny-diamond graph across worker processes, judged against the same modules run in
+this process (configs/tiny-diamond.yaml: producer -> summary (streaming) and dense (2
+replicas) -> join)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from omnistage.errors import StageError, WorkerDiedError
+from omnistage.runtime.testmodules import ChunkedLinear, ChunkSummary, Dense, Join
+
+from .test_assembler import reference_chunks
+
+torch.manual_seed(1234)
+_A = ChunkedLinear(dim=8, chunk=4, seed=0).eval()
+_B = ChunkSummary(dim=8, seed=1).eval()
+_C = Dense(dim=8, seed=2).eval()
+_D = Join(dim=8, seed=3).eval()
+
+
+@torch.no_grad()
+def reference(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    h = _A.lin(x)
+    summary = torch.cat([_B(c) for c in reference_chunks(h, 3, 1)])
+    return {"h": h, "summary": summary, "y": _D(summary, _C(h))}
+
+
+def assert_matches(out, x):
+    want = reference(x)
+    for port in ("h", "summary", "y"):
+        assert out[port].shape == want[port].shape, port
+        torch.testing.assert_close(out[port], want[port], rtol=1e-5, atol=1e-5)
+
+
+def test_diamond_equals_single_process_reference(diamond):
+    for rows in (16, 7, 3, 12, 1):
+        x = torch.randn(rows, 8)
+        assert_matches(diamond.run({"x": x}, timeout=30), x)
+
+
+def test_downstream_gets_first_chunk_before_upstream_finishes(diamond):
+    x = torch.randn(16, 8)
+
+    async def collect():
+        events = []
+        async for c in diamond.stream({"x": x}, params={"producer": {"delay": 0.15}}):
+            events.append((time.monotonic(), c.stage, c.port, c.final))
+        return events
+
+    events = asyncio.run(collect())
+    first_summary = next(t for t, stage, port, _ in events if port == "summary")
+    producer_done = next(t for t, stage, port, final in events if port == "h" and final)
+    # the producer spends >= 3 x 0.15 s after its first chunk; summary answers well before that
+    assert first_summary < producer_done - 0.2
+
+
+def _stage_view(p):
+    return {s: (v["inflight"], v["queue_depth"], v.get("engine_requests", 0)) for s, v in p.stage_stats().items()}
+
+
+def test_cancel_mid_flight_frees_state_in_every_stage(diamond):
+    x = torch.randn(16, 8)
+
+    async def cancel_after_first_summary():
+        agen = diamond.stream({"x": x}, params={"producer": {"delay": 0.3}}, request_id="to-cancel")
+        async for c in agen:
+            if c.port == "summary":
+                held = _stage_view(diamond)
+                await agen.aclose()  # the client goes away
+                return held
+
+    held = asyncio.run(cancel_after_first_summary())
+    assert held["producer"][0] == 1  # generating
+    assert held["summary"][0] == 1  # consuming chunks
+    assert held["dense"][1] == 1  # waiting for the producer's whole output
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        view = _stage_view(diamond)
+        if all(v == (0, 0, 0) for v in view.values()):
+            break
+        time.sleep(0.05)
+    assert all(v == (0, 0, 0) for v in view.values()), view
+    assert diamond.request_counts["cancelled"] >= 1
+    x2 = torch.randn(5, 8)
+    assert_matches(diamond.run({"x": x2}, timeout=30), x2)
+
+
+def test_sigkill_worker_fails_only_its_request_then_recovers(diamond):
+    x = torch.randn(16, 8)
+    result: dict = {}
+
+    def slow_request():
+        try:
+            result["out"] = diamond.run({"x": x}, params={"producer": {"delay": 0.5}}, timeout=60)
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = exc
+
+    t = threading.Thread(target=slow_request)
+    t.start()
+    deadline = time.monotonic() + 10
+    while diamond.stage_stats()["producer"]["inflight"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pid = diamond.worker_pids()["producer"][0]
+    os.kill(pid, signal.SIGKILL)
+    t.join(30)
+    err = result.get("error")
+    assert isinstance(err, WorkerDiedError), result
+    assert "producer" in str(err) and "SIGKILL" in str(err)
+    diamond.wait_ready(60)
+    assert diamond.worker_pids()["producer"][0] != pid
+    x2 = torch.randn(9, 8)
+    assert_matches(diamond.run({"x": x2}, timeout=30), x2)
+
+
+def test_poisoned_request_in_a_batch_fails_alone(diamond):
+    before = [r["engine"].get("batch_size_max", 0) for r in diamond.replica_stats()["dense"]]
+    xs = [torch.randn(4, 8) for _ in range(8)]
+    xs[3][1, 2] = float("nan")
+    results: list = [None] * len(xs)
+
+    def one(i):
+        try:
+            results[i] = diamond.run({"x": xs[i]}, timeout=30)
+        except Exception as exc:  # noqa: BLE001
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(results[3], StageError) and "poisoned" in str(results[3]) and "dense" in str(results[3])
+    for i, out in enumerate(results):
+        if i != 3:
+            assert isinstance(out, dict), out
+            assert_matches(out, xs[i])
+    after = [r["engine"].get("batch_size_max", 0) for r in diamond.replica_stats()["dense"]]
+    assert max(after) >= 2, (before, after)  # the requests really shared batches
+
+
+def test_200_concurrent_requests(diamond):
+    xs = [torch.randn(1 + i % 20, 8) for i in range(200)]
+
+    async def all_requests():
+        return await asyncio.gather(*(diamond.generate({"x": x}) for x in xs))
+
+    outs = asyncio.run(all_requests())
+    for out, x in zip(outs, xs):
+        assert_matches(out, x)
