@@ -131,3 +131,32 @@ def test_examples_load():
     for path in EXAMPLES:
         spec = load_pipeline(path)
         assert spec.stages and spec.edges
+
+
+def test_cli_schema_prints_the_schema(capsys):
+    import json
+
+    from omnistage.serving.cli import main
+
+    assert main(["schema"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(json_schema()))
+    assert printed["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert set(printed["properties"]) == {"name", "description", "inputs", "outputs", "stages",
+                                          "edges", "limits"}
+
+
+def test_load_pipeline_text_and_lazy_package_exports():
+    from omnistage.graph import PipelineValidationError as Err
+    from omnistage.graph import load_pipeline as lp
+    from omnistage.graph.loader import load_pipeline_text
+
+    assert lp is load_pipeline
+    spec = load_pipeline_text(DIAMOND.read_text(), "mem.yaml")
+    assert spec.name == "diamond" and spec.source is None
+    try:
+        load_pipeline_text("name: [", "mem.yaml")
+    except Err as err:
+        assert err.problems[0].startswith("mem.yaml:1:8: YAML syntax error")  # end of `name: [`
+    else:
+        raise AssertionError("invalid YAML loaded")
