@@ -452,3 +452,12 @@ def test_edge_ends_reversed_and_broken_stream_still_checks_endpoints(tmp_path):
     has(lines, f"{f}:21:25:", "an edge cannot end at inputs.prompt: pipeline inputs are sources")
     has(lines, f"{f}:22:15:", "has no output port 'txt'")
     has(lines, f"{f}:22:46:", "edges[6].stream must be a mapping, got number 3")
+
+
+def test_memory_budget_parses_to_bytes(tmp_path):
+    spec = load_pipeline(write(tmp_path, GOOD.replace("replicas: 2}", "replicas: 2, memory: 1.5GiB}")))
+    assert spec.stages["voc"].pool.memory == "1.5GiB"
+    assert spec.stages["voc"].pool.memory_bytes == 3 * 2**29
+    spec = load_pipeline(write(tmp_path, GOOD), overrides=["stages.voc.pool.memory=500MB"])
+    assert spec.stages["voc"].pool.memory_bytes == 500 * 10**6
+    assert spec.stages["enc"].pool.memory_bytes is None
