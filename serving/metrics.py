@@ -31,7 +31,7 @@ class _LivePipelinesCollector(Collector):
         except ImportError:  # runtime without metrics: serve HTTP series only
             return
         try:
-            yield from PipelineMetricsCollector(pipelines).collect()
+            yield from PipelineMetricsCollector(list(pipelines.values())).collect()
         except Exception:  # noqa: BLE001 - a scrape must not fail because a pipeline is closing
             log.exception("collecting pipeline metrics failed")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request
@@ -29,4 +30,7 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics.render(), media_type=PROMETHEUS_MEDIA_TYPE)
+    # Per-stage figures are asked of the worker processes (a busy worker answers after its
+    # step): collect off the event loop so a scrape never stalls other requests.
+    body = await asyncio.to_thread(request.app.state.metrics.render)
+    return Response(body, media_type=PROMETHEUS_MEDIA_TYPE)
