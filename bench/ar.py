@@ -105,6 +105,7 @@ def _make_job(args) -> tuple[dict, dict]:
         "budget": args.budget, "engine_direct": args.engine_direct,
         "prompts": workload.prompts, "output_lens": workload.output_lens,
         "check_prompts": workload.prompts[:n_check], "check_output_lens": check_lens,
+        "hf_cb_overrides": {"num_blocks": 16, "max_batch_tokens": 256} if quick else {},
     }
     prefix_desc = None
     if not args.no_prefix:

@@ -11,6 +11,7 @@ sequence's text, tokens and finish reason are in `info["choices"]`.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +100,9 @@ class ARLMStage(StageEngine):
         problems = []
         for key, value in (params or {}).items():
             if key not in STAGE_PARAMS:
-                problems.append(f"unknown ar_lm param {key!r}; known: {', '.join(STAGE_PARAMS)}")
+                close = difflib.get_close_matches(key, STAGE_PARAMS, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                problems.append(f"unknown ar_lm param {key!r}; {hint}known: {', '.join(STAGE_PARAMS)}")
                 continue
             types = STAGE_PARAMS[key]
             if value is None and key not in ("block_size", "enable_prefix_caching"):

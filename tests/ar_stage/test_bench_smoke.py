@@ -1,0 +1,34 @@
+"""`omnistage bench ar --quick` runs end to end and writes the JSON the docs describe."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(400)
+def test_bench_ar_quick(tmp_path):
+    out = tmp_path / "ar.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnistage.serving.cli", "bench", "ar", "--quick", "--json", str(out)],
+        env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["omnistage_mode"] == "pipeline"
+    for system in ("omnistage", "hf_serial", "hf_static", "hf_generate_batch"):
+        entry = data["systems"][system]
+        assert "error" not in entry, entry
+        for key in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99"):
+            fig = entry[key]
+            assert fig["min"] <= fig["median"] <= fig["max"] and fig["median"] > 0
+        assert entry["peak_rss_mb"] > 100
+    for key in ("vs_hf_serial", "vs_hf_static", "vs_hf_generate_batch", "prefix_ttft"):
+        assert data["ratios"][key] > 0
+    # the greedy check compares against transformers generate() in the same run
+    assert data["checks"]["greedy_equal_hf"] is True
+    assert data["checks"]["tokens_compared"] > 0
+    share = data["prefix_cache"]["cached_prompt_share"]["median"]
+    assert 0.5 < share < 1.0  # the shared prefix's whole blocks, never the unique suffix
+    assert data["systems"]["hf_generate_batch"]["settings"]["num_blocks"] == 16
