@@ -92,3 +92,24 @@ def test_bad_wan_parameters_are_invalid_requests(tiny_wan_dir):
     for bad in (dict(height=40, width=32, num_frames=5), dict(height=32, width=32, num_frames=6)):
         with pytest.raises(InvalidRequestError):
             denoiser.prepare("x", GenerationParams.from_dict(dict(bad, prompt="p")), cond)
+
+
+def test_interleaved_chunked_decodes_do_not_share_cache(tiny_wan_dir):
+    """The VAE stage advances several videos one chunk each per step."""
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan.from_pretrained(tiny_wan_dir / "vae").eval()
+    za = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    zb = torch.randn(1, 16, 4, 4, 6, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref_a, ref_b = vae.decode(za).sample, vae.decode(zb).sample
+    ga, gb = wan.decode_wan_temporal_chunks(vae, za), wan.decode_wan_temporal_chunks(vae, zb)
+    parts_a, parts_b = [], []
+    for _ in range(4):
+        for gen, parts in ((ga, parts_a), (gb, parts_b)):
+            chunk = next(gen, None)
+            if chunk is not None:
+                parts.append(chunk)
+    assert (len(parts_a), len(parts_b)) == (3, 4)
+    assert torch.equal(torch.cat(parts_a, dim=2), ref_a)
+    assert torch.equal(torch.cat(parts_b, dim=2), ref_b)

@@ -335,30 +335,29 @@ def decode_wan_temporal_chunks(vae, z: torch.Tensor, latent_frames_per_chunk: in
     """Decode un-scaled Wan latents [n, C, F, h, w] in temporal chunks, yielding [n, 3, f, H, W]
     clamped to [-1, 1].
 
-    Runs the decoder one latent frame at a time through the VAE's causal feature cache, the
-    same calls AutoencoderKLWan._decode makes, so the concatenated chunks equal `vae.decode`.
+    Runs the decoder one latent frame at a time through a causal feature cache, the same
+    calls AutoencoderKLWan._decode makes, so the concatenated chunks equal `vae.decode`. The
+    cache belongs to this generator (not to the VAE object), so several videos can decode
+    interleaved, one chunk each per VAE stage step.
     """
-    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
+    counts = getattr(vae, "_cached_conv_counts", None) or {}
+    num_convs = counts.get("decoder") or sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+    feat_map: list = [None] * num_convs
     num_frames = z.shape[2]
-    vae.clear_cache()
-    try:
-        x = vae.post_quant_conv(z)
-        pending: list[torch.Tensor] = []
-        for i in range(num_frames):
-            vae._conv_idx = [0]
-            out = vae.decoder(
-                x[:, :, i : i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=(i == 0)
-            )
-            pending.append(out)
-            if len(pending) == latent_frames_per_chunk or i == num_frames - 1:
-                chunk = torch.cat(pending, dim=2)
-                pending = []
-                if vae.config.patch_size is not None:
-                    chunk = unpatchify(chunk, patch_size=vae.config.patch_size)
-                yield torch.clamp(chunk, min=-1.0, max=1.0)
-    finally:
-        vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    pending: list[torch.Tensor] = []
+    for i in range(num_frames):
+        conv_idx = [0]
+        out = vae.decoder(x[:, :, i : i + 1], feat_cache=feat_map, feat_idx=conv_idx, first_chunk=(i == 0))
+        pending.append(out)
+        if len(pending) == latent_frames_per_chunk or i == num_frames - 1:
+            chunk = torch.cat(pending, dim=2)
+            pending = []
+            if vae.config.patch_size is not None:
+                chunk = unpatchify(chunk, patch_size=vae.config.patch_size)
+            yield torch.clamp(chunk, min=-1.0, max=1.0)
 
 
 TEXT_ENCODER = WanTextEncoder
