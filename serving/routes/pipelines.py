@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from omnistage.errors import InvalidRequestError, OmnistageError
-from omnistage.serving.deps import get_pipeline
+from omnistage.serving.deps import get_pipeline, unless_disconnected
 from omnistage.streaming.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 router = APIRouter(tags=["pipelines"])
@@ -86,8 +86,8 @@ async def run_pipeline(name: str, body: RunRequest, request: Request):
     inputs = _to_inputs(pipeline.spec, body.inputs)
     request_id = f"run-{uuid.uuid4().hex[:16]}"
     if not body.stream:
-        outputs = await pipeline.generate(inputs, body.params, request_id=request_id,
-                                          deadline_s=body.timeout)
+        outputs = await unless_disconnected(request, pipeline.generate(
+            inputs, body.params, request_id=request_id, deadline_s=body.timeout))
         return {"id": request_id, "object": "pipeline.run", "model": name,
                 "outputs": {port: to_jsonable(v) for port, v in outputs.items()}}
 
