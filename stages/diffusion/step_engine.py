@@ -75,6 +75,15 @@ class StepEngine:
         self._deferred_aborts: set[str] = set()
         self.completed = 0
         self.aborted = 0
+        # cumulative batch record for /metrics and cross-process tests (the step_log stays in
+        # the worker): forwards, request-steps they carried, forwards whose members were at
+        # different step indices, the most requests one forward held, arrival->first-step wait
+        self.forwards_total = 0
+        self.request_steps_total = 0
+        self.mixed_step_forwards = 0
+        self.max_requests_per_forward = 0
+        self.queue_wait_s_total = 0.0
+        self.queue_wait_count = 0
 
     # -- membership -----------------------------------------------------------------------
     def add(self, state: DenoiseState) -> None:
@@ -134,6 +143,11 @@ class StepEngine:
             "buckets_active": float(len(active)),
             "completed": float(self.completed),
             "aborted": float(self.aborted),
+            "forwards_total": float(self.forwards_total),
+            "request_steps_total": float(self.request_steps_total),
+            "mixed_step_forwards": float(self.mixed_step_forwards),
+            "max_requests_per_forward": float(self.max_requests_per_forward),
+            "queue_wait_ms_mean": 1000.0 * self.queue_wait_s_total / max(1, self.queue_wait_count),
         }
 
     # -- scheduling -----------------------------------------------------------------------
@@ -186,7 +200,13 @@ class StepEngine:
         for s in batch:
             if s.first_step_at is None:
                 s.first_step_at = now
+                self.queue_wait_s_total += max(0.0, now - s.arrival)
+                self.queue_wait_count += 1
         step_indices = [s.step_index for s in batch]
+        self.forwards_total += 1
+        self.request_steps_total += len(batch)
+        self.mixed_step_forwards += int(len(set(step_indices)) > 1)
+        self.max_requests_per_forward = max(self.max_requests_per_forward, len(batch))
         timesteps = [float(s.timestep) for s in batch]
         failed: dict[str, BaseException] = {}
         try:
