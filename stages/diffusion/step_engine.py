@@ -7,7 +7,7 @@ advances each of them by one scheduler step. Requests join and leave between ste
 
 Bucket policy (weighted fair queueing over latent-token work):
 - each bucket carries a virtual time; the bucket with the smallest one is served next
-  (ties: the bucket whose oldest request arrived first);
+  (ties: the least recently served bucket, so a newly active bucket goes first);
 - serving a bucket adds the work of that forward (rows x latent tokens) to its virtual time,
   so a bucket of 4x bigger latents is served ~1/4 as often: buckets share denoiser time
   equally, a big request never holds small ones behind it (no head-of-line blocking);
@@ -49,6 +49,7 @@ class _Bucket:
     states: list[DenoiseState] = field(default_factory=list)
     vtime: float = 0.0
     forwards: int = 0
+    last_served: int = -1  # engine forward counter when last served (-1: never)
 
 
 class StepEngine:
@@ -159,7 +160,7 @@ class StepEngine:
         active = [b for b in self._buckets.values() if b.states]
         if not active:
             return None
-        return min(active, key=lambda b: (b.vtime, b.states[0].arrival))
+        return min(active, key=lambda b: (b.vtime, b.last_served, b.states[0].arrival))
 
     def pick_batch(self, bucket: _Bucket) -> list[DenoiseState]:
         batch: list[DenoiseState] = []
@@ -226,6 +227,7 @@ class StepEngine:
         duration = self.clock() - t0
         bucket.vtime += sum(s.cost for s in batch)
         bucket.forwards += 1
+        bucket.last_served = self.forwards_total
         self._vclock = max(self._vclock, self._system_vtime())
         self._log(
             StepRecord(

@@ -139,3 +139,20 @@ def local_graph():
 @pytest.fixture
 def reference():
     return reference_image
+
+
+@pytest.fixture(scope="session")
+def sd3_denoise_kit(sd3_dir):
+    """(denoiser adapter, text conditioning for "a cat" with its negative row) on tiny-sd3."""
+    from omnistage.stages.diffusion.adapters.base import TextConditioning
+    from omnistage.stages.diffusion.loading import build_adapter
+
+    te = build_adapter(make_ctx("text_encoder", sd3_dir), "TEXT_ENCODER")
+    enc = te.encode(["a cat", ""], 24)
+    adapter = build_adapter(make_ctx("denoiser", sd3_dir), "DENOISER")
+    return adapter, TextConditioning(enc.embeds, enc.pooled)
+
+
+@pytest.fixture
+def make_ctx_fn():
+    return make_ctx
