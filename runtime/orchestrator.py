@@ -268,6 +268,9 @@ class Orchestrator:
                     r.conn = None
         with self._cond:
             self.closed = True
+            for reps in self.replicas.values():
+                for r in reps:
+                    r.ready = False
             self._cond.notify_all()
         self._reader.close()
         self._pool.close()
@@ -555,6 +558,8 @@ class Orchestrator:
     # -- stats ----------------------------------------------------------------------------------
     def query_stats(self, timeout: float = 2.0) -> dict[str, list[dict]]:
         with self._cond:
+            if self.closed:
+                timeout = 0.0
             self._stats_seq += 1
             seq = self._stats_seq
             asked = []

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
+from omnistage.graph.spec import PipelineSpec
 from omnistage.runtime.assembler import InputAssembler
 from omnistage.runtime.messages import (
     Abort,
@@ -43,6 +43,7 @@ STEP_LOG_KEEP = 64
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_MS_BUCKETS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
 PERMIT_POLL_S = 0.002
+ENGINE_STATS_EVERY_S = 0.1
 
 
 @dataclass
@@ -150,17 +151,37 @@ class Worker:
         self.unreported_permits: dict[str, list[int]] = {}
         self.stats = _Stats()
         self.running = True
+        self.send_lock = threading.Lock()
+        self.engine_stats: dict[str, Any] = {}
+        self.engine_stats_at = 0.0
 
     # -- transport -------------------------------------------------------------------------
     def _read_loop(self) -> None:
         try:
             while True:
-                self.inbox.put(self.conn.recv())
+                msg = self.conn.recv()
+                if isinstance(msg, StatsQuery):
+                    # answered here so a long engine step does not delay it
+                    self.send(StatsReply(msg.seq, self.snapshot()))
+                else:
+                    self.inbox.put(msg)
         except (EOFError, OSError):
             self.inbox.put(None)  # the orchestrator is gone
 
     def send(self, msg) -> None:
-        self.conn.send(msg)
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def _publish_engine_stats(self) -> None:
+        """engine.stats() is read on the engine's own thread; the reader thread replies with
+        the latest copy (refreshed before idling and at most every ENGINE_STATS_EVERY_S)."""
+        try:
+            stats = dict(self.engine.stats())
+            stats.setdefault("engine_requests", float(self.engine.num_requests()))
+        except Exception:  # noqa: BLE001
+            stats = {}
+        self.engine_stats = stats
+        self.engine_stats_at = time.monotonic()
 
     # -- main ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -170,15 +191,19 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001 - report any start-up failure
             self.send(StartFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
             return
+        self._publish_engine_stats()
         self.send(Ready(os.getpid()))
         engine = self.engine
         while self.running:
             if engine.has_work():
                 timeout = 0.0
+                if time.monotonic() - self.engine_stats_at > ENGINE_STATS_EVERY_S:
+                    self._publish_engine_stats()
             else:
                 timeout = engine.next_wakeup()
                 if self.waiting_permits:
                     timeout = PERMIT_POLL_S if timeout is None else min(timeout, PERMIT_POLL_S)
+                self._publish_engine_stats()
             self._drain(timeout)
             if self.waiting_permits:
                 self._admit_waiting()
@@ -212,17 +237,15 @@ class Worker:
                 self._apply(action)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
-        elif isinstance(msg, StatsQuery):
-            self.send(StatsReply(msg.seq, self.snapshot()))
         elif isinstance(msg, Shutdown) or msg is None:
             self.running = False
 
-    def _apply(self, action: tuple) -> None:
+    def _apply(self, action: tuple, permitted: bool = False) -> None:
         rid = action[1].request_id if action[0] == "add" else action[1]
         if rid in self.waiting_permits:
             self.waiting_permits[rid].append(action)
             return
-        if action[0] == "add" and self.permit_edges and not self._take_permits(rid):
+        if action[0] == "add" and self.permit_edges and not permitted and not self._take_permits(rid):
             self.waiting_permits[rid] = [action]
             return
         engine = self.engine
@@ -252,7 +275,7 @@ class Worker:
             if not self._take_permits(rid):
                 return  # FIFO: later requests wait behind the first
             for action in self.waiting_permits.pop(rid):
-                self._apply(action)
+                self._apply(action, permitted=True)
 
     def _release_unreported(self, rid: str) -> None:
         for idx in self.unreported_permits.pop(rid, ()):
@@ -323,14 +346,16 @@ class Worker:
                 self.active.discard(rid)
 
     def snapshot(self) -> dict[str, Any]:
+        for _ in range(5):
+            try:
+                return self._snapshot()
+            except RuntimeError:  # a container changed under the reader thread: try again
+                time.sleep(0.001)
+        return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         s = self.stats
-        steps = sorted(s.step_ms)
-        engine_stats = {}
-        try:
-            engine_stats = dict(self.engine.stats())
-            engine_stats.setdefault("engine_requests", float(self.engine.num_requests()))
-        except Exception:  # noqa: BLE001
-            pass
+        steps = sorted(list(s.step_ms))
         return {
             "pid": os.getpid(),
             "queue_depth": self.assembler.num_waiting() + len(self.waiting_permits),
@@ -343,7 +368,7 @@ class Worker:
             "step_hist": list(s.step_hist),
             "step_ms_sum": s.step_ms_sum,
             "outcomes": dict(s.outcomes),
-            "engine": engine_stats,
+            "engine": self.engine_stats,
         }
 
     def _shutdown(self) -> None:

@@ -9,6 +9,10 @@ name: sleepy
 inputs: {x: tensor}
 outputs: {y: tensor}
 stages:
+  pre:
+    kind: noop
+    params: {inputs: {x: tensor}, outputs: {y: tensor}}
+    batching: {policy: dynamic, max_batch_size: 8, max_wait_ms: 0}
   sleeper:
     kind: torch_module
     params:
@@ -22,7 +26,8 @@ stages:
     params: {inputs: {x: tensor}, outputs: {y: tensor}}
     batching: {policy: dynamic, max_batch_size: 8, max_wait_ms: 0}
 edges:
-  - {from: inputs.x, to: sleeper.x}
+  - {from: inputs.x, to: pre.x}
+  - {from: pre.y, to: sleeper.x, max_inflight: 1}
   - {from: sleeper.y, to: copy.x}
   - {from: copy.y, to: outputs.y}
 limits:

@@ -54,3 +54,21 @@ def test_64mib_tensor_round_trip(sleepy):
     for _ in range(2):  # the second trip reuses the pooled segments
         y = sleepy.run({"x": x}, timeout=60)["y"]
         assert torch.equal(x, y)
+
+
+def test_full_edge_holds_back_its_producer(sleepy):
+    """pre -> sleeper has max_inflight 1: while the sleeper works, `pre` admits nothing more."""
+    done = []
+    threads = [
+        threading.Thread(target=lambda: done.append(sleepy.run({"x": torch.ones(2)}, {"sleeper": {"delay": 0.4}})))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.25)
+    stats = sleepy.stage_stats()
+    for t in threads:
+        t.join(30)
+    assert stats["sleeper"]["inflight"] + stats["sleeper"]["queue_depth"] == 1, stats["sleeper"]
+    assert stats["pre"]["queue_depth"] == 2, stats["pre"]
+    assert len(done) == 3

@@ -154,3 +154,24 @@ def test_200_concurrent_requests(diamond):
     outs = asyncio.run(all_requests())
     for out, x in zip(outs, xs):
         assert_matches(out, x)
+
+
+def test_prometheus_collector_exports_stage_figures(diamond):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from omnistage.runtime.metrics import PipelineMetricsCollector
+
+    diamond.run({"x": torch.randn(4, 8)})
+    reg = CollectorRegistry()
+    reg.register(PipelineMetricsCollector([diamond]))
+    text = generate_latest(reg).decode()
+    for series in (
+        'omnistage_stage_queue_depth{pipeline="tiny-diamond",replica="1",stage="dense"}',
+        'omnistage_stage_inflight_requests{pipeline="tiny-diamond",replica="0",stage="join"}',
+        'omnistage_stage_batch_size_bucket{le="+Inf",pipeline="tiny-diamond",replica="0",stage="producer"}',
+        "omnistage_stage_step_seconds_sum",
+        'omnistage_stage_requests_total{outcome="ok",pipeline="tiny-diamond",replica="0",stage="join"}',
+        'omnistage_pipeline_requests_total{outcome="ok",pipeline="tiny-diamond"}',
+        'omnistage_engine_batches_total{pipeline="tiny-diamond",replica="0",stage="producer"}',
+    ):
+        assert series in text, series

@@ -1,0 +1,30 @@
+"""Start-up failures are reported clearly and leave nothing running."""
+
+import multiprocessing
+
+import pytest
+
+from omnistage.errors import StageError
+
+YAML = """
+name: bad-device
+inputs: {x: any}
+outputs: {y: any}
+stages:
+  n:
+    kind: noop
+    pool: {devices: ["cuda:63"]}
+edges:
+  - {from: inputs.x, to: n.x}
+  - {from: n.x, to: outputs.y}
+"""
+
+
+def test_missing_device_is_a_clear_start_error():
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    spec = load_pipeline_text(YAML, "bad-device.yaml")
+    with pytest.raises(StageError, match=r"cuda:63 is not available"):
+        Pipeline.from_spec(spec, ready_timeout=60)
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:bad-device")]
