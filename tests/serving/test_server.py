@@ -159,6 +159,33 @@ def test_metrics_parse_as_prometheus_text(slow_server):
                  and s.labels["route"] == "unmatched" and s.labels["status"] == "404"]
     assert unmatched, "the unknown route above is counted under a bounded label"
     assert families["omnistage_ready"].samples[0].value == 1.0
+    # The runtime's per-stage series, labelled with this pipeline and both its stages.
+    for family in ("omnistage_stage_queue_depth", "omnistage_stage_batch_size",
+                   "omnistage_stage_step_seconds", "omnistage_stage_inflight_requests"):
+        stages = {s.labels["stage"] for s in families[family].samples
+                  if s.labels.get("pipeline") == MODEL}
+        assert stages == {"slow", "add"}, (family, stages)
+    steps = [s for s in families["omnistage_stage_step_seconds"].samples
+             if s.name == "omnistage_stage_step_seconds_count" and s.labels["stage"] == "slow"]
+    assert steps and steps[0].value >= 2  # the slow stage ran the requests above
+
+
+def _pipeline_outcome(url: str, outcome: str) -> float:
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+    return sum(s.value for f in families for s in f.samples
+               if s.name == "omnistage_pipeline_requests_total"
+               and s.labels.get("pipeline") == MODEL and s.labels.get("outcome") == outcome)
+
+
+def test_client_disconnect_cancels_the_pipeline_request(slow_server):
+    url = slow_server.url
+    before = _pipeline_outcome(url, "cancelled")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the slow stage runs
+        httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [1.0]}}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while _pipeline_outcome(url, "cancelled") <= before:
+        assert time.monotonic() < deadline, "the abandoned request was never cancelled"
+        time.sleep(0.05)
 
 
 def test_sigterm_drains_inflight_then_exits_clean(slow_server):
