@@ -120,6 +120,7 @@ class StepEngine:
                 # keep the vtime for a later re-activation; forget empty buckets when many
                 if len(self._buckets) > 64:
                     del self._buckets[bucket.key]
+        self.adapter.forget(request_id)
         # free the request's tensors now rather than when the state is collected
         state.latents = None  # type: ignore[assignment]
         state.row_inputs = {}
@@ -208,7 +209,8 @@ class StepEngine:
         self.request_steps_total += len(batch)
         self.mixed_step_forwards += int(len(set(step_indices)) > 1)
         self.max_requests_per_forward = max(self.max_requests_per_forward, len(batch))
-        timesteps = [float(s.timestep) for s in batch]
+        # host copies of the schedules (one device sync per request, not one per step)
+        timesteps = [s.extra.setdefault("_timesteps_host", s.timesteps.tolist())[s.step_index] for s in batch]
         failed: dict[str, BaseException] = {}
         try:
             outputs = self.adapter.forward(batch)

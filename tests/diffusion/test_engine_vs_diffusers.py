@@ -180,3 +180,25 @@ def test_uint8_output_is_diffusers_pil_rounding(sd3_dir, local_graph, reference)
     assert out.dtype == np.uint8 and out.shape == (1, 32, 32, 3)
     ref = (reference(sd3_dir, "a cat", **params) * 255).round().astype(np.uint8)
     assert np.abs(out.astype(int) - ref.astype(int)).max() <= 1
+
+
+def test_sd3_without_cfg_and_flux_true_cfg(sd3_dir, flux_dir, local_graph, reference):
+    # SD3 with guidance_scale <= 1: no negative rows, one row per image
+    g = local_graph(sd3_dir)
+    no_cfg = dict(SMALL, num_inference_steps=3, seed=2, guidance_scale=1.0)
+    cfg = dict(SMALL, num_inference_steps=3, seed=2, guidance_scale=5.0, negative_prompt="blurry, low quality")
+    g.submit("nocfg", "a cat", **no_cfg)
+    g.submit("cfg", "a cat", **cfg)
+    g.run()
+    rows = {r.request_ids: r.extra["rows"] for r in g.dn.step_log}
+    assert rows.get(("nocfg", "cfg")) == 3  # both in one forward: 1 + 2 rows
+    assert_matches(g.results["nocfg"], reference(sd3_dir, "a cat", **no_cfg))
+    assert_matches(g.results["cfg"], reference(sd3_dir, "a cat", **cfg))
+    # FLUX true CFG (true_cfg_scale > 1 with a negative prompt): negative rows in the same forward
+    g = local_graph(flux_dir)
+    true_cfg = dict(SMALL, num_inference_steps=3, seed=4, guidance_scale=3.5, true_cfg_scale=2.0,
+                    negative_prompt="blurry, low quality")
+    g.submit("tcfg", "a cat", **true_cfg)
+    g.run()
+    assert g.dn.step_log[0].extra["rows"] == 2
+    assert_matches(g.results["tcfg"], reference(flux_dir, "a cat", **true_cfg))

@@ -277,6 +277,27 @@ class DenoiserAdapter(ComponentLoading):
         Returns the raw model output with sum(state.rows) rows, in state order."""
         raise NotImplementedError
 
+    def batched_rows(self, states: list[DenoiseState]) -> dict[str, torch.Tensor]:
+        """`row_inputs` of `states` concatenated in state order. The last result per bucket
+        is cached: between joins and leaves a bucket's batch is the same requests step after
+        step, and re-concatenating large text conditioning every step is pure overhead."""
+        ids = tuple(s.request_id for s in states)
+        cache = self.__dict__.setdefault("_row_cache", {})
+        hit = cache.get(states[0].bucket)
+        if hit is not None and hit[0] == ids:
+            return hit[1]
+        keys = states[0].row_inputs.keys()
+        rows = {k: torch.cat([s.row_inputs[k] for s in states]) for k in keys}
+        cache[states[0].bucket] = (ids, rows)
+        return rows
+
+    def forget(self, request_id: str) -> None:
+        """A request left the engine: drop cached batches that hold its rows."""
+        cache = self.__dict__.get("_row_cache", {})
+        for bucket, (ids, _) in list(cache.items()):
+            if request_id in ids:
+                del cache[bucket]
+
     @torch.no_grad()
     def forward(self, states: list[DenoiseState]) -> list[torch.Tensor]:
         """Guided model output per state, shaped like state.latents."""

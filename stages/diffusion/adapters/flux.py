@@ -151,16 +151,14 @@ class FluxDenoiser(DenoiserAdapter):
     def model_forward(self, states: list[DenoiseState]) -> torch.Tensor:
         hidden = torch.cat([torch.cat([s.latents] * 2) if s.do_cfg else s.latents for s in states])
         timestep = torch.cat([s.timestep.expand(s.rows).to(s.latents.dtype) for s in states]) / 1000
-        guidance = (
-            torch.cat([s.row_inputs["guidance"] for s in states]) if self.guidance_embeds else None
-        )
+        rows = self.batched_rows(states)
         first = states[0]
         return self.transformer(
             hidden_states=hidden,
             timestep=timestep,
-            guidance=guidance,
-            pooled_projections=torch.cat([s.row_inputs["pooled_projections"] for s in states]),
-            encoder_hidden_states=torch.cat([s.row_inputs["encoder_hidden_states"] for s in states]),
+            guidance=rows.get("guidance"),
+            pooled_projections=rows["pooled_projections"],
+            encoder_hidden_states=rows["encoder_hidden_states"],
             txt_ids=first.shared["txt_ids"],
             img_ids=first.shared["img_ids"],
             return_dict=False,

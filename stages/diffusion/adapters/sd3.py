@@ -190,11 +190,12 @@ class SD3Denoiser(DenoiserAdapter):
     def model_forward(self, states: list[DenoiseState]) -> torch.Tensor:
         hidden = torch.cat([torch.cat([s.latents] * 2) if s.do_cfg else s.latents for s in states])
         timestep = torch.cat([s.timestep.expand(s.rows) for s in states])
+        rows = self.batched_rows(states)
         return self.transformer(
             hidden_states=hidden,
             timestep=timestep,
-            encoder_hidden_states=torch.cat([s.row_inputs["encoder_hidden_states"] for s in states]),
-            pooled_projections=torch.cat([s.row_inputs["pooled_projections"] for s in states]),
+            encoder_hidden_states=rows["encoder_hidden_states"],
+            pooled_projections=rows["pooled_projections"],
             return_dict=False,
         )[0]
 
