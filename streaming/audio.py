@@ -69,3 +69,62 @@ def wav_stream_header(sample_rate: int, channels: int = 1) -> bytes:
                                 sample_rate * block_align, block_align, 16)
         + b"data" + struct.pack("<I", 0xFFFFFFFF)
     )
+
+
+# -- compressed formats (OpenAI speech `response_format`) --------------------------------------
+# format -> (container, codec, media type)
+AUDIO_CODECS = {
+    "mp3": ("mp3", "libmp3lame", "audio/mpeg"),
+    "opus": ("ogg", "libopus", "audio/ogg"),
+    "aac": ("adts", "aac", "audio/aac"),
+    "flac": ("flac", "flac", "audio/flac"),
+}
+AUDIO_FORMATS = ("wav", "pcm", *AUDIO_CODECS)
+AUDIO_MEDIA_TYPES.update({fmt: media for fmt, (_, _, media) in AUDIO_CODECS.items()})
+
+
+def encode_audio(audio: Any, sample_rate: int, fmt: str = "wav", *,
+                 bitrate: int | None = None) -> bytes:
+    """Encode a whole clip as wav | pcm | mp3 | opus | aac | flac.
+
+    wav/pcm are PCM16 (see module doc); flac is lossless PCM16; mp3/opus/aac are lossy, at
+    `bitrate` bits/s (default 128k; 64k for opus). A rate the codec cannot take (opus runs at
+    8/12/16/24/48 kHz, mp3 and aac at the usual rates) is resampled to the nearest higher
+    supported one; the decoded stream reports the rate it was encoded at.
+    """
+    fmt = fmt.lower()
+    if fmt == "wav":
+        return encode_wav(audio, sample_rate)
+    if fmt == "pcm":
+        return to_pcm16(audio)
+    if fmt not in AUDIO_CODECS:
+        raise ValueError(f"unsupported audio format {fmt!r}; choose one of {', '.join(AUDIO_FORMATS)}")
+    import av
+
+    container_fmt, codec_name, _ = AUDIO_CODECS[fmt]
+    pcm = to_pcm16_array(audio)  # (samples, channels) int16
+    channels = pcm.shape[1]
+    if channels > 2:
+        raise ValueError(f"{fmt} output supports mono or stereo, not {channels} channels")
+    codec = av.codec.Codec(codec_name, "w")
+    rates = sorted(codec.audio_rates or [])
+    out_rate = int(sample_rate)
+    if rates and out_rate not in rates:
+        out_rate = next((r for r in rates if r >= out_rate), rates[-1])
+    layout = "mono" if channels == 1 else "stereo"
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container_fmt) as container:
+        stream = container.add_stream(codec_name, rate=out_rate, layout=layout)
+        if fmt != "flac":
+            stream.bit_rate = bitrate or (64_000 if fmt == "opus" else 128_000)
+        sample_fmt = codec.audio_formats[0].name
+        resampler = av.AudioResampler(format=sample_fmt, layout=layout, rate=out_rate)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.T.reshape(1, -1) if channels > 1
+                                                                else pcm.T), format="s16",
+                                           layout=layout)
+        frame.sample_rate = int(sample_rate)
+        for chunk in (*resampler.resample(frame), *resampler.resample(None)):
+            container.mux(stream.encode(chunk))
+        container.mux(stream.encode(None))
+    return buf.getvalue()

@@ -7,7 +7,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from omnistage.streaming.audio import encode_wav, to_pcm16, wav_stream_header
+from omnistage.streaming.audio import encode_audio, encode_wav, to_pcm16, wav_stream_header
 
 
 def _expected_pcm16(x: np.ndarray) -> np.ndarray:
@@ -50,3 +50,62 @@ def test_streamed_header_plus_pcm_chunks_decodes():
 def test_rejects_integer_audio():
     with pytest.raises(ValueError, match="floating"):
         to_pcm16(np.zeros(10, dtype=np.int16))
+
+
+def _decode_any(data: bytes) -> tuple[np.ndarray, int, str]:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        name, rate = stream.codec_context.name, stream.sample_rate
+        parts = []
+        for frame in container.decode(audio=0):
+            arr = frame.to_ndarray()
+            arr = arr / 32768.0 if arr.dtype == np.int16 else arr
+            parts.append(arr[0] if arr.shape[0] == 1 else arr.reshape(-1))  # mono
+    return np.concatenate(parts), rate, name
+
+
+def _aligned_snr_db(decoded: np.ndarray, reference: np.ndarray, max_lag: int = 4096) -> float:
+    # Codecs add priming/delay samples: find the lag that lines the decoded signal up best.
+    n = len(reference) - 2 * max_lag
+    core = reference[max_lag:max_lag + n]
+    best = -np.inf
+    for lag in range(0, 2 * max_lag + 1, 1):
+        seg = decoded[lag:lag + n]
+        if len(seg) < n:
+            break
+        noise = np.sum((seg - core) ** 2)
+        best = max(best, 10 * np.log10(np.sum(core**2) / max(noise, 1e-20)))
+    return best
+
+
+def _tones(sr: int, seconds: float = 1.0) -> np.ndarray:
+    t = np.arange(int(sr * seconds)) / sr
+    return (0.5 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * 1234 * t)).astype(np.float32)
+
+
+def test_flac_is_lossless_pcm16():
+    x = np.random.default_rng(2).uniform(-1, 1, 5000).astype(np.float32)
+    data, sr = sf.read(io.BytesIO(encode_audio(x, 16000, "flac")), dtype="int16")
+    assert sr == 16000
+    np.testing.assert_array_equal(data, _expected_pcm16(x))
+
+
+@pytest.mark.parametrize("fmt,codec,min_snr_db", [("mp3", "mp3", 20.0), ("aac", "aac", 20.0),
+                                                  ("opus", "opus", 15.0)])
+def test_lossy_formats_decode_close_to_input(fmt, codec, min_snr_db):
+    sr = 24000
+    x = _tones(sr)
+    decoded, rate, name = _decode_any(encode_audio(x, sr, fmt))
+    assert name.startswith(codec)
+    reference = x
+    if rate != sr:  # ffmpeg decodes Ogg Opus at 48 kHz: compare with the tones at that rate
+        reference = _tones(rate)
+    assert abs(len(decoded) - len(reference)) <= 4096
+    assert _aligned_snr_db(decoded, reference) >= min_snr_db
+
+
+def test_unsupported_audio_format():
+    with pytest.raises(ValueError, match="unsupported audio format"):
+        encode_audio(np.zeros(10, np.float32), 16000, "ogg-vorbis")
