@@ -120,8 +120,8 @@ def encode_audio(audio: Any, sample_rate: int, fmt: str = "wav", *,
             stream.bit_rate = bitrate or (64_000 if fmt == "opus" else 128_000)
         sample_fmt = codec.audio_formats[0].name
         resampler = av.AudioResampler(format=sample_fmt, layout=layout, rate=out_rate)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.T.reshape(1, -1) if channels > 1
-                                                                else pcm.T), format="s16",
+        # packed s16 wants one row of interleaved samples: (samples, channels) flattened
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.reshape(1, -1)), format="s16",
                                            layout=layout)
         frame.sample_rate = int(sample_rate)
         for chunk in (*resampler.resample(frame), *resampler.resample(None)):

@@ -92,6 +92,13 @@ def test_flac_is_lossless_pcm16():
     np.testing.assert_array_equal(data, _expected_pcm16(x))
 
 
+def test_flac_stereo_keeps_channels_apart():
+    x = np.stack([_tones(16000, 0.25), -0.5 * _tones(16000, 0.25)[::-1]])  # (2, T)
+    data, sr = sf.read(io.BytesIO(encode_audio(x, 16000, "flac")), dtype="int16")
+    assert data.shape == (x.shape[1], 2)
+    np.testing.assert_array_equal(data, _expected_pcm16(x.T))
+
+
 @pytest.mark.parametrize("fmt,codec,min_snr_db", [("mp3", "mp3", 20.0), ("aac", "aac", 20.0),
                                                   ("opus", "opus", 15.0)])
 def test_lossy_formats_decode_close_to_input(fmt, codec, min_snr_db):
