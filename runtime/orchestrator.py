@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import multiprocessing
 import multiprocessing.spawn as mp_spawn
 import os
@@ -48,6 +49,8 @@ from omnistage.runtime.messages import (
 )
 from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, release_all
 from omnistage.runtime.worker import WorkerConfig, port_out_edges, worker_main
+
+log = logging.getLogger("omnistage.runtime")
 
 MAX_RESTART_FAILURES = 3
 PRELOAD = ["torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
@@ -126,6 +129,16 @@ class Replica:
     @property
     def name(self) -> str:
         return f"{self.stage}[{self.index}]"
+
+
+def _safe_sink(sink: Sink) -> Sink:
+    def put(item: Any) -> None:
+        try:
+            sink(item)
+        except Exception:  # noqa: BLE001 - a caller gone (closed event loop) must not stop the hub
+            log.debug("dropping an item for a caller that went away", exc_info=True)
+
+    return put
 
 
 @dataclass(eq=False)
@@ -311,7 +324,7 @@ class Orchestrator:
                 )
             if rid in self._requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
-            req = _Request(rid, sink, params, deadline, open_stages=set(spec.stages))
+            req = _Request(rid, _safe_sink(sink), params, deadline, open_stages=set(spec.stages))
             self._requests[rid] = req
             if deadline is not None:
                 heapq.heappush(self._deadlines, (deadline, rid))
@@ -509,7 +522,10 @@ class Orchestrator:
                         while True:
                             msg = obj.recv()
                             with self._lock:
-                                self._on_message(r, msg)
+                                try:
+                                    self._on_message(r, msg)
+                                except Exception:  # noqa: BLE001 - one bad message must not stop routing
+                                    log.exception("omnistage: failed to handle %s from %s", type(msg).__name__, r.name)
                             if not obj.poll():
                                 break
                     except (EOFError, OSError):

@@ -161,12 +161,19 @@ class Worker:
             while True:
                 msg = self.conn.recv()
                 if isinstance(msg, StatsQuery):
-                    # answered here so a long engine step does not delay it
-                    self.send(StatsReply(msg.seq, self.snapshot()))
+                    # answered off the engine thread so a long step does not delay it, and off
+                    # this thread so the inbox keeps draining while the reply waits to be sent
+                    threading.Thread(target=self._reply_stats, args=(msg.seq,), daemon=True).start()
                 else:
                     self.inbox.put(msg)
         except (EOFError, OSError):
             self.inbox.put(None)  # the orchestrator is gone
+
+    def _reply_stats(self, seq: int) -> None:
+        try:
+            self.send(StatsReply(seq, self.snapshot()))
+        except OSError:
+            pass
 
     def send(self, msg) -> None:
         with self.send_lock:

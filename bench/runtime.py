@@ -1,0 +1,277 @@
+"""`omnistage bench runtime [--quick] [--runs N] [--json FILE]`: the embedded runtime's costs.
+
+Measured through the runtime's real worker loop (Pipeline -> orchestrator -> worker processes):
+- hop_us_p50 / hop_us_p99: one-way latency of an empty message from the emitting stage's
+  module returning to the next stage's module being called with it (receiver idle: requests
+  are sent one at a time). Both stamps are CLOCK_MONOTONIC, comparable across processes.
+- transfer_gbps: a 64 MiB float32 tensor held in the producer's private memory, from the
+  producer's module returning it to the consumer's module having summed every element
+  (steady state: the first transfer of each run is a warm-up and not counted).
+- graph4_overhead_ms_p50: end-to-end `Pipeline.run` time of a diamond of four no-op stages.
+References measured in the same run: a bare multiprocessing pipe one-way hop between two
+processes, and one in-process copy + sum of the same tensor (what a one-copy transport costs).
+Each figure is the median over runs, with min and max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+TARGETS = {"hop_us_p50": ("<=", 500.0), "transfer_gbps": (">=", 2.0), "graph4_overhead_ms_p50": ("<=", 5.0)}
+
+
+# -- modules run inside the workers (imported there by factory path) -------------------------
+class HopStamp(nn.Module):
+    def forward(self, x):
+        return {"t": time.perf_counter_ns()}
+
+
+class HopReceive(nn.Module):
+    def forward(self, t):
+        return {"hop_ns": time.perf_counter_ns() - t}
+
+
+class BigProducer(nn.Module):
+    def __init__(self, mib: int = 64, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.buf = torch.randn(mib * 1024 * 1024 // 4, generator=g)
+
+    def forward(self, x):
+        return {"payload": {"tensor": self.buf, "t0": time.perf_counter_ns()}}
+
+
+class BigConsumer(nn.Module):
+    def forward(self, payload):
+        total = float(payload["tensor"].sum())  # reads every byte
+        return {"result": {"dt_ns": time.perf_counter_ns() - payload["t0"], "sum": total}}
+
+
+def _yaml(name: str, body: str) -> str:
+    return f"name: {name}\n" + body
+
+
+HOP_YAML = """
+inputs: {x: any}
+outputs: {hop_ns: any}
+stages:
+  src:
+    kind: torch_module
+    params: {factory: "omnistage.bench.runtime:HopStamp", inputs: {x: any}, outputs: {t: any}}
+    batching: {policy: none}
+  dst:
+    kind: torch_module
+    params: {factory: "omnistage.bench.runtime:HopReceive", inputs: {t: any}, outputs: {hop_ns: any}}
+    batching: {policy: none}
+edges:
+  - {from: inputs.x, to: src.x}
+  - {from: src.t, to: dst.t}
+  - {from: dst.hop_ns, to: outputs.hop_ns}
+"""
+
+BIG_YAML = """
+inputs: {x: any}
+outputs: {result: json}
+stages:
+  producer:
+    kind: torch_module
+    params: {factory: "omnistage.bench.runtime:BigProducer", kwargs: {mib: MIB}, inputs: {x: any}, outputs: {payload: any}}
+    batching: {policy: none}
+  consumer:
+    kind: torch_module
+    params: {factory: "omnistage.bench.runtime:BigConsumer", inputs: {payload: any}, outputs: {result: json}}
+    batching: {policy: none}
+edges:
+  - {from: inputs.x, to: producer.x}
+  - {from: producer.payload, to: consumer.payload}
+  - {from: consumer.result, to: outputs.result}
+"""
+
+GRAPH4_YAML = """
+inputs: {x: any}
+outputs: {y: any}
+stages:
+  a: {kind: noop, params: {inputs: {x: any}}, batching: {policy: dynamic, max_wait_ms: 0}}
+  b: {kind: noop, params: {inputs: {x: any}}, batching: {policy: dynamic, max_wait_ms: 0}}
+  c: {kind: noop, params: {inputs: {x: any}}, batching: {policy: dynamic, max_wait_ms: 0}}
+  d: {kind: noop, params: {inputs: {l: any, r: any}}, batching: {policy: dynamic, max_wait_ms: 0}}
+edges:
+  - {from: inputs.x, to: a.x}
+  - {from: a.x, to: b.x}
+  - {from: a.x, to: c.x}
+  - {from: b.x, to: d.l}
+  - {from: c.x, to: d.r}
+  - {from: d.l, to: outputs.y}
+"""
+
+
+# -- reference: a bare pipe between two processes --------------------------------------------
+def _pipe_echo(conn) -> None:
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        conn.send(msg)
+
+
+def pipe_hop_us(samples: int) -> list[float]:
+    from omnistage.runtime.orchestrator import _without_main_reimport, mp_context
+
+    ctx = mp_context()
+    a, b = ctx.Pipe()
+    proc = ctx.Process(target=_pipe_echo, args=(b,), daemon=True)
+    with _without_main_reimport():
+        proc.start()
+    b.close()
+    out = []
+    for i in range(samples + 20):
+        t0 = time.perf_counter_ns()
+        a.send({"t": t0})
+        a.recv()
+        if i >= 20:
+            out.append((time.perf_counter_ns() - t0) / 2000.0)
+        time.sleep(0.0005)
+    a.send(None)
+    proc.join(5)
+    return out
+
+
+def memcpy_gbps(mib: int, repeats: int = 5) -> float:
+    src = torch.randn(mib * 1024 * 1024 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        float(dst.sum())
+        times.append(time.perf_counter() - t0)
+    return mib * 1024 * 1024 / statistics.median(times) / 1e9
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def _summary(runs: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+
+
+def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict[str, Any]:
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    mib = 8 if quick else 64
+    hops_per_run = 40 if quick else 300
+    transfers_per_run = 3 if quick else 8
+    graph_per_run = 30 if quick else 200
+    specs = {
+        "hop": load_pipeline_text(_yaml("bench-hop", HOP_YAML), "bench-hop.yaml"),
+        "big": load_pipeline_text(_yaml("bench-transfer", BIG_YAML.replace("MIB", str(mib))), "bench-transfer.yaml"),
+        "graph4": load_pipeline_text(_yaml("bench-graph4", GRAPH4_YAML), "bench-graph4.yaml"),
+    }
+    pipes = {k: Pipeline.from_spec(s, wait_ready=False) for k, s in specs.items()}  # start in parallel
+    try:
+        for p in pipes.values():
+            p.wait_ready(300)
+        from tqdm import tqdm
+
+        bar = tqdm(total=runs * 4, desc="bench runtime", disable=not progress, file=sys.stderr)
+        hop_p50, hop_p99, pipe_p50, gbps, g4 = [], [], [], [], []
+        expected_sum = float(BigProducer(mib).buf.sum())
+        for _ in range(runs):
+            hop = pipes["hop"]
+            for _ in range(10):
+                hop.run({"x": 0})
+            samples = []
+            for _ in range(hops_per_run):
+                samples.append(hop.run({"x": 0})["hop_ns"] / 1000.0)
+                time.sleep(0.001)  # receiver idle when the next message comes
+            hop_p50.append(_pct(samples, 0.5))
+            hop_p99.append(_pct(samples, 0.99))
+            bar.update()
+            pipe_p50.append(_pct(pipe_hop_us(hops_per_run), 0.5))
+            bar.update()
+            big = pipes["big"]
+            big.run({"x": 0})  # warm-up: segments allocated and mapped
+            rates = []
+            for _ in range(transfers_per_run):
+                r = big.run({"x": 0})["result"]
+                if abs(r["sum"] - expected_sum) > 1e-3 * max(1.0, abs(expected_sum)):
+                    raise RuntimeError(f"transfer corrupted: sum {r['sum']} != {expected_sum}")
+                rates.append(mib * 1024 * 1024 / (r["dt_ns"] / 1e9) / 1e9)
+            gbps.append(statistics.median(rates))
+            bar.update()
+            g = pipes["graph4"]
+            for _ in range(10):
+                g.run({"x": 0})
+            times = []
+            for i in range(graph_per_run):
+                t0 = time.perf_counter()
+                out = g.run({"x": i})
+                times.append((time.perf_counter() - t0) * 1000.0)
+                assert out["y"] == i
+            g4.append(_pct(times, 0.5))
+            bar.update()
+        bar.close()
+        ref_copy = [memcpy_gbps(mib) for _ in range(runs)]
+    finally:
+        for p in pipes.values():
+            p.close(drain_timeout=5)
+    spread = {
+        "hop_us_p50": _summary(hop_p50),
+        "hop_us_p99": _summary(hop_p99),
+        "transfer_gbps": _summary(gbps),
+        "graph4_overhead_ms_p50": _summary(g4),
+    }
+    figures = {k: v["median"] for k, v in spread.items()}
+    reference = {
+        "pipe_hop_us_p50": _summary(pipe_p50),
+        "inprocess_copy_and_sum_gbps": _summary(ref_copy),
+    }
+    meets = {}
+    for k, (op, bound) in TARGETS.items():
+        meets[k] = figures[k] <= bound if op == "<=" else figures[k] >= bound
+    return {
+        **figures,
+        "spread": spread,
+        "reference": reference,
+        "targets": {k: f"{op} {b}" for k, (op, b) in TARGETS.items()},
+        "meets_targets": meets,
+        "settings": {
+            "quick": quick, "runs": runs, "tensor_mib": mib, "hops_per_run": hops_per_run,
+            "transfers_per_run": transfers_per_run, "graph4_requests_per_run": graph_per_run,
+            "torch_threads_per_worker": 1, "start_method": "forkserver",
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omnistage bench runtime", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small smoke run (8 MiB, few samples)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per figure (median reported; >= 3)")
+    ap.add_argument("--json", dest="json_path", help="write the results to this file")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    result = run_bench(quick=args.quick, runs=max(1, args.runs), progress=not args.no_progress)
+    result["command"] = "omnistage bench runtime " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = json.dumps(result, indent=2)
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
