@@ -24,7 +24,8 @@ import torch.nn.functional as F
 class DecodeGroup:
     token_start: int  # rows [token_start, token_start + B) of the flat batch
     num_seqs: int
-    gather_slots: torch.Tensor  # [B, L] int64 slot ids (padding points at slot 0)
+    block_ids: torch.Tensor  # [B * nb] int64: each sequence's block table padded to nb blocks (pad: block 0)
+    context_len: int  # L = nb * block_size (padded)
     mask: torch.Tensor | None  # [1, B, 1, L] bool (True = attend); None when no padding
 
 
@@ -33,8 +34,8 @@ class PrefillChunk:
     token_start: int
     num_tokens: int
     context_len: int  # tokens before this chunk already in the cache
-    gather_slots: torch.Tensor | None  # [context_len + num_tokens] when context_len > 0
-    mask: torch.Tensor | None  # [num_tokens, context_len + num_tokens] bool when context_len > 0
+    block_ids: torch.Tensor | None  # [nb] the sequence's blocks covering context + chunk, when context_len > 0
+    mask: torch.Tensor | None  # [num_tokens, nb * block_size] bool when context_len > 0
 
 
 @dataclass
@@ -43,12 +44,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     num_tokens: int = 0
-
-
-def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * block_size] slot ids."""
-    offsets = torch.arange(block_size, dtype=torch.long)
-    return (block_table.unsqueeze(-1) * block_size + offsets).flatten(-2)
+    block_size: int = 16
 
 
 def build_metadata(
@@ -64,7 +60,7 @@ def build_metadata(
     decoding sequence; they occupy the first rows of the batch, sorted by context length.
     prefill_specs: per prefill chunk, (context_len, num_tokens, block table).
     """
-    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_tokens=int(slot_mapping.numel()))
+    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_tokens=int(slot_mapping.numel()), block_size=block_size)
     # Cut the (sorted) decodes into groups whose padding stays under max_padding_ratio.
     groups: list[tuple[int, int]] = []  # (start, end)
     start, total = 0, 0
@@ -78,24 +74,25 @@ def build_metadata(
         groups.append((start, len(decode_lens)))
     for a, b in groups:
         lens = decode_lens[a:b]
-        L = max(lens)
-        nb = -(-L // block_size)
+        nb = -(-max(lens) // block_size)
+        L = nb * block_size
         table = torch.zeros(b - a, nb, dtype=torch.long)
         for r, bt in enumerate(decode_tables[a:b]):
-            table[r, : len(bt[:nb])] = torch.tensor(bt[:nb], dtype=torch.long)
-        slots = _slots(table, block_size)[:, :L]
+            used = bt[: -(-lens[r] // block_size)]
+            table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
         mask = None
-        if min(lens) != L:
+        if any(n != L for n in lens):
             mask = (torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).view(1, b - a, 1, L).to(device)
-        meta.decode_groups.append(DecodeGroup(token_start=a, num_seqs=b - a, gather_slots=slots.to(device), mask=mask))
+        meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
     start = len(decode_lens)
     for ctx, n, bt in prefill_specs:
         if ctx > 0:
             total = ctx + n
-            slots = _slots(torch.tensor(bt, dtype=torch.long), block_size)[:total]
+            nb = -(-total // block_size)
             q_pos = torch.arange(ctx, total).unsqueeze(1)
-            k_pos = torch.arange(total).unsqueeze(0)
-            chunk = PrefillChunk(start, n, ctx, slots.to(device), (k_pos <= q_pos).to(device))
+            k_pos = torch.arange(nb * block_size).unsqueeze(0)
+            ids = torch.tensor(bt[:nb], dtype=torch.long, device=device)
+            chunk = PrefillChunk(start, n, ctx, ids, (k_pos <= q_pos).to(device))
         else:
             chunk = PrefillChunk(start, n, 0, None, None)
         meta.prefills.append(chunk)
@@ -115,21 +112,21 @@ def paged_attention(
     n_tok, n_heads, d = q.shape
     kvh = k.shape[1]
     group = n_heads // kvh
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    kt = k.transpose(0, 1)
-    vt = v.transpose(0, 1)
-    k_cache[:, meta.slot_mapping] = kt
-    v_cache[:, meta.slot_mapping] = vt
+    num_slots = kv_cache.shape[2]
+    # [2, kvh, slots, d] viewed as [2 * kvh, slots, d]: one index op writes K and V together.
+    flat = kv_cache.view(2 * kvh, num_slots, d)
+    flat.index_copy_(1, meta.slot_mapping, torch.cat((k, v), dim=1).transpose(0, 1))
+    # ... and as [2 * kvh, num_blocks, block_size * d]: one index_select gathers whole blocks of K and V.
+    by_block = kv_cache.view(2 * kvh, -1, meta.block_size * d)
     out = torch.empty(n_tok, n_heads, d, dtype=q.dtype, device=q.device)
 
     for g in meta.decode_groups:
         b = g.num_seqs
         rows = slice(g.token_start, g.token_start + b)
+        kv = torch.index_select(by_block, 1, g.block_ids).view(2, kvh, b, g.context_len, d)
         # [B, H, d] -> [kvh, B, group, d]: the query heads of one KV head play the query-length axis.
         qg = q[rows].view(b, kvh, group, d).transpose(0, 1)
-        kg = k_cache[:, g.gather_slots]  # [kvh, B, L, d]
-        vg = v_cache[:, g.gather_slots]
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale)
         out[rows] = o.transpose(0, 1).reshape(b, n_heads, d)
 
     for p in meta.prefills:
@@ -137,11 +134,11 @@ def paged_attention(
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
         if p.context_len == 0:
             o = F.scaled_dot_product_attention(
-                qp, kt[:, rows].unsqueeze(0), vt[:, rows].unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True
+                qp, k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=scale, enable_gqa=True,
             )
         else:
-            kp = k_cache[:, p.gather_slots].unsqueeze(0)
-            vp = v_cache[:, p.gather_slots].unsqueeze(0)
-            o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            kv = torch.index_select(by_block, 1, p.block_ids).view(2, 1, kvh, -1, d)
+            o = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out.view(n_tok, n_heads * d)

@@ -42,10 +42,6 @@ def load_model(
     with torch.device("meta"):
         model = DecoderModel(cfg)
     model = model.to_empty(device=device).to(dtype)
-    # Buffers are not in the checkpoint: rebuild them on the real device.
-    model.rotary.inv_freq = 1.0 / (
-        cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float, device=device) / cfg.head_dim)
-    )
     files = checkpoint_files(model_path)
     total_bytes = sum(os.path.getsize(f) for f in files)
     if show_progress is None:

@@ -29,24 +29,43 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for 1-D positions [N] or M-RoPE positions [3, N]."""
+    """cos/sin for 1-D positions [N] or M-RoPE positions [3, N], looked up in a cached table."""
 
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
         self.mrope_section = list(mrope_section) if mrope_section else None
+        self._cos = self._sin = None
+        self._dtype = None
+        # M-RoPE: which of the 3 position axes drives each rotary dim (sections repeat for both halves).
+        if self.mrope_section:
+            axis = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(self.mrope_section)])
+            self._axis = torch.cat((axis, axis))
+
+    def inv_freq(self, device) -> torch.Tensor:
+        d = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float, device=device) / d))
+
+    def _table(self, max_pos: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cos is None or self._cos.shape[0] <= max_pos or self._dtype != dtype or self._cos.device != device:
+            size = max(2 * max_pos, 4096) if self._cos is None or self._cos.shape[0] <= max_pos else self._cos.shape[0]
+            pos = torch.arange(size, dtype=torch.float, device=device)
+            freqs = pos.unsqueeze(1) * self.inv_freq(device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin, self._dtype = emb.cos().to(dtype), emb.sin().to(dtype), dtype
+        return self._cos, self._sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq  # [N, d/2] or [3, N, d/2]
-        if freqs.dim() == 3:
-            if self.mrope_section is None:
-                freqs = freqs[0]
-            else:
-                chunks = freqs.split(self.mrope_section, dim=-1)
-                freqs = torch.cat([c[i % 3] for i, c in enumerate(chunks)], dim=-1)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos_t, sin_t = self._table(int(positions.max()), dtype, positions.device)
+        if positions.dim() == 1:
+            return cos_t[positions], sin_t[positions]
+        if self.mrope_section is None:
+            return cos_t[positions[0]], sin_t[positions[0]]
+        n = positions.shape[1]
+        idx = self._axis.to(positions.device).view(1, -1, 1).expand(n, -1, 1)
+        cos = cos_t[positions].permute(1, 2, 0).gather(2, idx).squeeze(-1)
+        sin = sin_t[positions].permute(1, 2, 0).gather(2, idx).squeeze(-1)
+        return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
