@@ -218,8 +218,14 @@ def load_model_config(model_path: str, hf_config_key: str | None = None, weight_
         key = "talker_config"
     sub = _dig(raw, key) if key else raw
     if key is None and "text_config" in raw and "hidden_size" not in raw:
-        sub = raw["text_config"]
-    cfg = ModelConfig.from_hf_dict(sub, tie_default=raw.get("tie_word_embeddings"))
+        key, sub = "text_config", raw["text_config"]
+    # Whether the LM head is tied is decided by the config of the model that owns the head:
+    # for a nested text_config (a thinker's), that is its parent, as in transformers.
+    owner = _dig(raw, key.rsplit(".", 1)[0]) if key and key.endswith("text_config") and "." in key else (
+        raw if key == "text_config" else sub
+    )
+    tie = owner.get("tie_word_embeddings", sub.get("tie_word_embeddings"))
+    cfg = ModelConfig.from_hf_dict({**sub, "tie_word_embeddings": tie})
     gen_path = os.path.join(model_path, "generation_config.json")
     if os.path.exists(gen_path) and not key:
         with open(gen_path) as f:

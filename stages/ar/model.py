@@ -39,8 +39,8 @@ class RotaryEmbedding(nn.Module):
         self._dtype = None
         # M-RoPE: which of the 3 position axes drives each rotary dim (sections repeat for both halves).
         if self.mrope_section:
-            axis = torch.cat([torch.full((s,), i % 3) for i, s in enumerate(self.mrope_section)])
-            self._axis = torch.cat((axis, axis))
+            axis = [i % 3 for i, s in enumerate(self.mrope_section) for _ in range(s)]
+            self._axis_list = axis + axis  # plain list: modules are built on the meta device
 
     def inv_freq(self, device) -> torch.Tensor:
         d = self.head_dim
@@ -62,7 +62,7 @@ class RotaryEmbedding(nn.Module):
         if self.mrope_section is None:
             return cos_t[positions[0]], sin_t[positions[0]]
         n = positions.shape[1]
-        idx = self._axis.to(positions.device).view(1, -1, 1).expand(n, -1, 1)
+        idx = torch.tensor(self._axis_list, device=positions.device).view(1, -1, 1).expand(n, -1, 1)
         cos = cos_t[positions].permute(1, 2, 0).gather(2, idx).squeeze(-1)
         sin = sin_t[positions].permute(1, 2, 0).gather(2, idx).squeeze(-1)
         return cos, sin
