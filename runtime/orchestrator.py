@@ -303,9 +303,8 @@ class Orchestrator:
         unknown = set(inputs) - set(spec.inputs)
         if unknown:
             raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
-        missing = set(spec.inputs) - set(inputs)
-        if missing:
-            raise InvalidRequestError(f"missing pipeline input(s) {sorted(missing)}")
+        if spec.inputs and not inputs:
+            raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
         params = dict(params or {})
         bad = set(params) - set(spec.stages)
         if bad:
@@ -329,11 +328,13 @@ class Orchestrator:
             if deadline is not None:
                 heapq.heappush(self._deadlines, (deadline, rid))
                 self._wake()
-            for port, value in inputs.items():
+            for port in spec.inputs:
                 edges = self._port_edges[PIPELINE_INPUTS].get(port, [])
-                payload = encode(value, self._pool, len(edges)) if edges else None
+                # an input left out closes its consumers' ports without data (optional ports)
+                given = port in inputs
+                payload = encode(inputs[port], self._pool, len(edges)) if edges and given else None
                 for slot, idx in enumerate(edges):
-                    self._deliver(req, PIPELINE_INPUTS, idx, slot, payload, True, True)
+                    self._deliver(req, PIPELINE_INPUTS, idx, slot, payload, given, True)
             for stage in self._sources:
                 self._send(self._replica_for(req, stage), Deliver(rid, None, None, 0, True, False, self._meta(req, stage)))
         return rid

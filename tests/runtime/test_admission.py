@@ -43,7 +43,7 @@ def test_deadline_exceeded(sleepy):
 def test_invalid_request_error_reaches_the_caller(sleepy):
     with pytest.raises(InvalidRequestError, match="asked to be invalid"):
         sleepy.run({"x": torch.ones(2)}, {"sleeper": {"invalid": True}})
-    with pytest.raises(InvalidRequestError, match="missing pipeline input"):
+    with pytest.raises(InvalidRequestError, match="no pipeline inputs"):
         sleepy.run({})
     with pytest.raises(InvalidRequestError, match="unknown stage"):
         sleepy.run({"x": torch.ones(1)}, {"nope": {}})
