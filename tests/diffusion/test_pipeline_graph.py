@@ -73,13 +73,13 @@ def test_alone(graph, reference):
 def test_joining_requests_share_forwards_beside_other_sizes(graph, reference):
     family, model_dir, pipe = graph
     before = pipe.stage_stats()["denoiser"]
-    first = ("an astronaut riding a horse on the moon", gen(family, num_inference_steps=40, seed=1))
+    first = ("an astronaut riding a horse on the moon", gen(family, num_inference_steps=120, seed=1))
     later = [
-        ("a watercolor painting of a lighthouse", gen(family, num_inference_steps=3, seed=2)),
-        ("a bowl of fruit on a wooden table", gen(family, num_inference_steps=5, seed=3)),
-        ("a small house in a snowy forest", gen(family, num_inference_steps=4, seed=4)),
-        ("a city street at night in the rain", gen(family, num_inference_steps=6, seed=5, height=48, width=48)),
-        ("portrait of an old man with a beard", gen(family, num_inference_steps=3, seed=6, num_images_per_prompt=2)),
+        ("a watercolor painting of a lighthouse", gen(family, num_inference_steps=5, seed=2)),
+        ("a bowl of fruit on a wooden table", gen(family, num_inference_steps=8, seed=3)),
+        ("a small house in a snowy forest", gen(family, num_inference_steps=6, seed=4)),
+        ("a city street at night in the rain", gen(family, num_inference_steps=7, seed=5, height=48, width=48)),
+        ("portrait of an old man with a beard", gen(family, num_inference_steps=5, seed=6, num_images_per_prompt=2)),
     ]
 
     async def scenario():
