@@ -143,10 +143,12 @@ class PipelineRegistry:
                 self._fail(entry, exc)
                 continue
             with self._lock:
-                if self._closing.is_set():
-                    _close_quietly(pipeline, 0.0)
-                    return
-                entry.pipeline = pipeline
+                closing = self._closing.is_set()
+                if not closing:
+                    entry.pipeline = pipeline
+            if closing:  # close() ran while this one was being built: it is ours to close
+                _close_quietly(pipeline, 0.0)
+                return
             waiter = threading.Thread(target=self._wait_ready, args=(entry, started),
                                       name=f"omnistage-ready-{entry.name}", daemon=True)
             waiter.start()
