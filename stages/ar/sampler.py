@@ -39,16 +39,7 @@ class Sampler:
         raw = logits
         want_lp = [s.sampling.logprobs is not None for s in seqs]
         logprobs_all = torch.log_softmax(raw, dim=-1) if any(want_lp) else None
-        logits = raw.clone()
-
-        # min_tokens: the stop tokens may not end the output early.
-        for r, s in enumerate(seqs):
-            if s.num_output_tokens < s.sampling.min_tokens:
-                ids = [t for t in self.stop_ids(s) if t < V]
-                if ids:
-                    logits[r, ids] = float("-inf")
-
-        self._apply_penalties(logits, seqs)
+        logits = self.penalized(raw, seqs)
 
         greedy_rows = [r for r, s in enumerate(seqs) if s.sampling.greedy]
         tokens = torch.empty(S, dtype=torch.long)
@@ -84,6 +75,22 @@ class Sampler:
                         entry.setdefault(t, v)
                 out_lp[r] = entry
         return SampleResult(token_list, out_lp)
+
+    def penalized(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """A copy of the logits with min_tokens stop suppression and the penalties applied."""
+        logits = logits.clone()
+        V = logits.shape[1]
+        for r, s in enumerate(seqs):
+            if s.num_output_tokens < s.sampling.min_tokens:
+                ids = [t for t in self.stop_ids(s) if t < V]
+                if ids:
+                    logits[r, ids] = float("-inf")
+        self._apply_penalties(logits, seqs)
+        return logits
+
+    def sampling_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each (non-greedy) row samples from, after every processing step."""
+        return self._probs(self.penalized(logits, seqs), seqs)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -124,4 +131,5 @@ class Sampler:
         if (min_ps > 0).any():
             thresh = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
             probs = probs.masked_fill(probs < thresh, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
