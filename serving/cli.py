@@ -34,7 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a pipeline may take to load before it is marked failed")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    _add_overrides(p)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="[CONFIG:]PATH=VALUE",
+        help="override a value in every config, or only in CONFIG (its file stem): "
+             "--set tiny-llm:stages.llm.pool.threads=2",
+    )
 
     p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
     p.add_argument("file")

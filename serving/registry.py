@@ -75,6 +75,40 @@ def _stage_readiness(pipeline: Any) -> dict[str, bool]:
         return {}
 
 
+def config_stem(config: str | Path) -> str:
+    """`configs/tiny-llm.yaml` and the bare name `tiny-llm` both give `tiny-llm`."""
+    name = Path(str(config)).name
+    for suffix in (".yaml", ".yml"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def overrides_per_config(configs: list[str | Path], overrides: Iterable[str]) -> list[list[str]]:
+    """Split `--set` overrides between configs.
+
+    `PATH=VALUE` applies to every config; `STEM:PATH=VALUE` only to the config whose file stem
+    is STEM (`tiny-llm:stages.llm.pool.threads=2`), so one serve command can tune stages that
+    exist in only one of its pipelines. A scope naming no config is an error (ValueError).
+    """
+    stems = [config_stem(c) for c in configs]
+    out: list[list[str]] = [[] for _ in configs]
+    for text in overrides:
+        path = text.partition("=")[0]
+        scope, colon, rest = path.partition(":")
+        if not colon:
+            for own in out:
+                own.append(text)
+            continue
+        if scope not in stems:
+            raise ValueError(f"override {text!r} is scoped to {scope!r}, which is none of the "
+                             f"configs served ({', '.join(stems)})")
+        for stem, own in zip(stems, out):
+            if stem == scope:
+                own.append(text[len(scope) + 1:])
+    return out
+
+
 class PipelineRegistry:
     def __init__(self, *, ready_timeout: float = 600.0):
         self._entries: dict[str, PipelineEntry] = {}
@@ -94,8 +128,9 @@ class PipelineRegistry:
         from omnistage.graph.loader import load_pipeline
 
         registry = cls(**kwargs)
-        for config in configs:
-            spec = load_pipeline(config, overrides=list(overrides))
+        configs = list(configs)
+        for config, own in zip(configs, overrides_per_config(configs, overrides)):
+            spec = load_pipeline(config, overrides=own)
             registry.add_spec(spec, source=str(config))
         return registry
 

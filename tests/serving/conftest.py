@@ -128,7 +128,7 @@ def slow_server(tmp_path_factory):
     """tests/serving/slow-scale.yaml served with its first stage sleeping 1.5 s per request."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     server = start_server([str(HERE / "slow-scale.yaml"), "--drain-timeout", "30",
-                           "--set", "stages.slow.params.kwargs.delay_s=1.5"], log_path)
+                           "--set", "slow-scale:stages.slow.params.kwargs.delay_s=1.5"], log_path)
     try:
         server.wait_ready()
         yield server
