@@ -3,6 +3,7 @@ payloads are encoded with runtime.shm (large CPU tensors travel as ShmRefs)."""
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,3 +72,14 @@ class Emit:
 class StatsReply:
     seq: int
     stats: dict[str, Any]
+
+
+def send_msg(conn, msg) -> None:
+    """Standard pickle, not multiprocessing's ForkingPickler: payload tensors are already
+    encoded (runtime.shm), and torch's reductions would move stray CPU tensors into
+    fd-passing shared memory."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv_msg(conn):
+    return pickle.loads(conn.recv_bytes())

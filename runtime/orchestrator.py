@@ -46,6 +46,8 @@ from omnistage.runtime.messages import (
     StartFailed,
     StatsQuery,
     StatsReply,
+    recv_msg,
+    send_msg,
 )
 from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, release_all
 from omnistage.runtime.worker import WorkerConfig, port_out_edges, worker_main
@@ -258,7 +260,7 @@ class Orchestrator:
                 for r in reps:
                     if r.conn is not None and r.ready:
                         try:
-                            r.conn.send(Shutdown())
+                            send_msg(r.conn, Shutdown())
                         except OSError:
                             pass
         self._wake()
@@ -367,7 +369,7 @@ class Orchestrator:
             r.pending.append(msg)
             return
         try:
-            r.conn.send(msg)
+            send_msg(r.conn, msg)
         except OSError:
             pass  # the worker died; its sentinel fires and the hub fails its requests
 
@@ -521,7 +523,7 @@ class Orchestrator:
                     r = by_conn[obj]
                     try:
                         while True:
-                            msg = obj.recv()
+                            msg = recv_msg(obj)
                             with self._lock:
                                 try:
                                     self._on_message(r, msg)

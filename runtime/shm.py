@@ -11,8 +11,12 @@ Reader slots: a value sent on an output port goes to each of the port's out-edge
 reads with slot i (the router releases the slots of edges it does not deliver to).
 Files are only unlinked by `cleanup_prefix` when the pipeline closes (a dead worker's
 segments may still be mapped by live readers until then).
-CUDA tensors are left in the message: torch's multiprocessing reductions send them as CUDA
-IPC handles.
+Small CPU tensors travel inline as raw bytes (InlineTensor). CUDA tensors are pickled by the
+producer with torch's multiprocessing reductions (a CUDA IPC handle, no copy) into an opaque
+CudaTensorRef that the router forwards untouched and the consumer opens.
+Messages themselves are pickled with the standard pickler (runtime.messages.send_msg), never
+with multiprocessing's ForkingPickler, which would move CPU tensors into torch's fd-passing
+shared memory.
 """
 
 from __future__ import annotations
@@ -43,6 +47,47 @@ class ShmRef:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InlineTensor:
+    """A small CPU tensor as raw bytes."""
+
+    data: bytes
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "InlineTensor":
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return cls(raw, t.dtype, tuple(t.shape))
+
+    def tensor(self) -> torch.Tensor:
+        if not self.data:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(self.dtype).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class CudaTensorRef:
+    """A CUDA tensor pickled by its producer with torch's reductions (CUDA IPC handle)."""
+
+    blob: bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "CudaTensorRef":
+        from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions
+
+        return cls(bytes(ForkingPickler.dumps(t.detach())))
+
+    def tensor(self) -> torch.Tensor:
+        import pickle
+
+        import torch.multiprocessing  # noqa: F401
+
+        return pickle.loads(self.blob)
 
 
 class _Segment:
@@ -168,9 +213,13 @@ def _release(mm: mmap.mmap, slot: int) -> None:
 def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
     """Replace large CPU tensors (at any depth of dicts/lists/tuples) by ShmRefs."""
     if isinstance(value, torch.Tensor):
-        if value.device.type == "cpu" and value.numel() * value.element_size() > INLINE_MAX_BYTES:
+        if value.device.type == "cuda":
+            return CudaTensorRef.of(value)
+        if value.device.type != "cpu":
+            value = value.cpu()
+        if value.numel() * value.element_size() > INLINE_MAX_BYTES:
             return pool.put(value.detach(), nreaders)
-        return value
+        return InlineTensor.of(value)
     if isinstance(value, dict):
         return {k: encode(v, pool, nreaders) for k, v in value.items()}
     if isinstance(value, list):
@@ -183,6 +232,8 @@ def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
 def decode(value: Any, reader: SegmentReader, slot: int, copy: bool = False) -> Any:
     if isinstance(value, ShmRef):
         return reader.tensor(value, slot, copy=copy)
+    if isinstance(value, (InlineTensor, CudaTensorRef)):
+        return value.tensor()
     if isinstance(value, dict):
         return {k: decode(v, reader, slot, copy) for k, v in value.items()}
     if isinstance(value, list):

@@ -35,6 +35,8 @@ from omnistage.runtime.messages import (
     StartFailed,
     StatsQuery,
     StatsReply,
+    recv_msg,
+    send_msg,
 )
 from omnistage.runtime.shm import SegmentPool, SegmentReader, decode, encode
 from omnistage.stages.base import Emission, StageContext, StageEngine
@@ -159,7 +161,7 @@ class Worker:
     def _read_loop(self) -> None:
         try:
             while True:
-                msg = self.conn.recv()
+                msg = recv_msg(self.conn)
                 if isinstance(msg, StatsQuery):
                     # answered off the engine thread so a long step does not delay it, and off
                     # this thread so the inbox keeps draining while the reply waits to be sent
@@ -177,7 +179,7 @@ class Worker:
 
     def send(self, msg) -> None:
         with self.send_lock:
-            self.conn.send(msg)
+            send_msg(self.conn, msg)
 
     def _publish_engine_stats(self) -> None:
         """engine.stats() is read on the engine's own thread; the reader thread replies with

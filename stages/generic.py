@@ -19,7 +19,7 @@
                                          as it arrives and emit its output at once (default:
                                          concatenate the chunks, then one call)
 The module returns a dict {port: value}, a tuple (ports in declared order), a single value
-(one output port), or (batch "none" only) a generator of such dicts: one chunk per step.
+(one output port; a dict whose keys are not all output ports counts as a value), or (batch "none" only) a generator of such dicts: one chunk per step.
 
 `noop` params: inputs {port: type} (default {x: any}), outputs (default: same as inputs);
 each input is passed to the output at the same position. With streaming_inputs the chunks
@@ -110,7 +110,9 @@ class _CallableEngine(DynamicBatchEngine):
         raise NotImplementedError
 
     def to_outputs(self, result: Any) -> dict[str, Any]:
-        if isinstance(result, dict):
+        # a dict keyed by output ports is a port map; with one output port any other value
+        # (a dict with other keys included) is that port's value
+        if isinstance(result, dict) and (len(self.output_names) > 1 or set(result) <= set(self.output_names)):
             return result
         if isinstance(result, tuple) and len(self.output_names) > 1:
             return dict(zip(self.output_names, result))

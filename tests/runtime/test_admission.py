@@ -72,3 +72,20 @@ def test_full_edge_holds_back_its_producer(sleepy):
     assert stats["sleeper"]["inflight"] + stats["sleeper"]["queue_depth"] == 1, stats["sleeper"]
     assert stats["pre"]["queue_depth"] == 2, stats["pre"]
     assert len(done) == 3
+
+
+def test_nested_tensors_of_every_size_and_dtype_round_trip(sleepy):
+    small = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    value = {
+        "big": torch.randn(300, 100),  # shared memory
+        "parts": [small, torch.tensor(3.5), torch.empty(0, 4), torch.ones(5, dtype=torch.int64)],
+        "strided": torch.randn(64, 64).t()[::2],  # non-contiguous
+        "meta": ("text", 7),
+    }
+    out = sleepy.run({"x": value}, timeout=30)["y"]
+    assert torch.equal(out["big"], value["big"])
+    for got, want in zip(out["parts"], value["parts"]):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(out["strided"], value["strided"])
+    assert out["meta"] == ("text", 7)
+    assert not small.is_shared()  # inline tensors are copied as bytes, the caller's stay private
