@@ -13,7 +13,12 @@ Bucket policy (weighted fair queueing over latent-token work):
   equally, a big request never holds small ones behind it (no head-of-line blocking);
 - a bucket that becomes active starts at the smallest virtual time among active buckets (the
   system's virtual clock), so it cannot starve others by arriving with an old credit, and it
-  is never starved: virtual times only grow, and the minimum is always served.
+  is never starved: virtual times only grow, and the minimum is served unless another
+  bucket is within the lead allowance (below);
+- first steps go first: a bucket whose next batch would start a waiting request is served
+  ahead of the fair order if its virtual time is at most one forward's work (the largest seen)
+  above the minimum - new requests start at the next step boundary, and the lead is bounded,
+  so the fairness and no-starvation guarantees keep a slack of one big forward.
 Within a bucket, requests join the forward in arrival order under the per-step budget
 (max_batch_size images and optionally max_latent_tokens); the oldest request always fits.
 """
@@ -72,6 +77,7 @@ class StepEngine:
         self._buckets: dict[Hashable, _Bucket] = {}
         self._index: dict[str, DenoiseState] = {}
         self._vclock = 0.0
+        self._lead_allowance = 0.0  # the largest single forward's work seen so far
         self._stepping = False
         self._deferred_aborts: set[str] = set()
         self.completed = 0
@@ -152,6 +158,10 @@ class StepEngine:
             "queue_wait_ms_mean": 1000.0 * self.queue_wait_s_total / max(1, self.queue_wait_count),
         }
 
+    def bucket_vtimes(self) -> dict[Hashable, float]:
+        """Virtual time of every active bucket (the fair order: smallest served first)."""
+        return {b.key: b.vtime for b in self._buckets.values() if b.states}
+
     # -- scheduling -----------------------------------------------------------------------
     def _system_vtime(self) -> float:
         active = [b.vtime for b in self._buckets.values() if b.states]
@@ -161,7 +171,16 @@ class StepEngine:
         active = [b for b in self._buckets.values() if b.states]
         if not active:
             return None
-        return min(active, key=lambda b: (b.vtime, b.last_served, b.states[0].arrival))
+        order = lambda b: (b.vtime, b.last_served, b.states[0].arrival)  # noqa: E731
+        floor = min(b.vtime for b in active)
+        # first steps go first: a bucket whose next batch would start a waiting request may run
+        # ahead of the fair order, but by at most one forward's work (bounded lead: fairness
+        # and the no-starvation guarantee hold, with a slack of one big forward)
+        fresh = [
+            b for b in active
+            if b.vtime <= floor + self._lead_allowance and any(s.first_step_at is None for s in self.pick_batch(b))
+        ]
+        return min(fresh or active, key=order)
 
     def pick_batch(self, bucket: _Bucket) -> list[DenoiseState]:
         batch: list[DenoiseState] = []
@@ -227,7 +246,9 @@ class StepEngine:
                 except Exception as exc:  # noqa: BLE001
                     failed[s.request_id] = exc
         duration = self.clock() - t0
-        bucket.vtime += sum(s.cost for s in batch)
+        work = sum(s.cost for s in batch)
+        bucket.vtime += work
+        self._lead_allowance = max(self._lead_allowance, float(work))
         bucket.forwards += 1
         bucket.last_served = self.forwards_total
         self._vclock = max(self._vclock, self._system_vtime())
