@@ -314,6 +314,23 @@ class Orchestrator:
         if deadline is None and spec.default_deadline_s:
             deadline = time.time() + spec.default_deadline_s
         rid = request_id or uuid.uuid4().hex
+        # copy input tensors into shared memory before taking the lock (a 64 MiB copy must not
+        # stall routing); the slots are released again if the request is not admitted
+        encoded: dict[str, Any] = {}
+        for port, value in inputs.items():
+            edges = self._port_edges[PIPELINE_INPUTS].get(port, [])
+            if edges:
+                encoded[port] = encode(value, self._pool, len(edges))
+        try:
+            return self._admit(rid, params, sink, deadline, encoded)
+        except BaseException:
+            for port, payload in encoded.items():
+                for slot in range(len(self._port_edges[PIPELINE_INPUTS][port])):
+                    release_all(payload, self._reader, slot)
+            raise
+
+    def _admit(self, rid: str, params: dict, sink: Sink, deadline: float | None, encoded: dict[str, Any]) -> str:
+        spec = self.spec
         with self._lock:
             if self.closing or self.closed or not self.started:
                 raise PipelineClosedError(f"pipeline {spec.name!r} is {'not started' if not self.started else 'closed'}")
@@ -333,8 +350,8 @@ class Orchestrator:
             for port in spec.inputs:
                 edges = self._port_edges[PIPELINE_INPUTS].get(port, [])
                 # an input left out closes its consumers' ports without data (optional ports)
-                given = port in inputs
-                payload = encode(inputs[port], self._pool, len(edges)) if edges and given else None
+                given = port in encoded
+                payload = encoded.get(port)
                 for slot, idx in enumerate(edges):
                     self._deliver(req, PIPELINE_INPUTS, idx, slot, payload, given, True)
             for stage in self._sources:

@@ -143,10 +143,15 @@ class SegmentPool:
             dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         return ShmRef(seg.name, nbytes, tensor.dtype, tuple(tensor.shape))
 
-    def close(self) -> None:
+    def close(self, unlink: bool = False) -> None:
         with self._lock:
             for segments in self._classes.values():
                 for seg in segments:
+                    if unlink:
+                        try:
+                            os.unlink(os.path.join(SHM_DIR, seg.name))
+                        except FileNotFoundError:
+                            pass
                     try:
                         seg.mm.close()
                     except BufferError:

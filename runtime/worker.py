@@ -386,12 +386,17 @@ class Worker:
                 self.engine.close()
         finally:
             self.reader.close()
-            self.pool.close()
+            # unlinking is safe even while readers still map them, and covers a parent that
+            # died without cleaning up
+            self.pool.close(unlink=True)
 
 
 def worker_main(cfg: WorkerConfig, conn) -> None:
     """Process entry point."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    # the parent decides when workers stop (SIGTERM to the process group drains in-flight
+    # work through the parent); a parent that disappears closes the pipe and ends the worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threads = max(1, int(cfg.spec.stages[cfg.stage].pool.threads))
     torch.set_num_threads(threads)
     try:
