@@ -1,0 +1,386 @@
+"""`omnistage bench diffusion --json FILE [--quick]`: step-level batching against diffusers.
+
+Workloads (issue 4, "Benchmark"), all on the fixed SD3-architecture benchmark model
+(bench/diffusion_model.py), float32, CPU, CFG (guidance 4.5), 77 CLIP + 77 T5 tokens:
+
+- saturation: 32 small (256x256) requests, steps uniform in 4..12, all submitted at once.
+  Throughput of omnistage vs serial diffusers and vs the ideal bare batched loop.
+- mixed traffic: 48 requests (2/3 small with 4 steps, 1/3 large 512x512 with 12 steps),
+  seeded Poisson arrivals at 70% of the serial pipeline's capacity measured in this run;
+  the same traces replayed to serial FIFO, request-level batching and omnistage.
+- equality: 4 saturation requests, omnistage images vs serial diffusers images (1e-3).
+
+omnistage runs through its real runtime (omnistage.Pipeline: orchestrator + one worker
+process per stage, shared-memory tensors). Baselines run in this process with
+torch.set_num_threads(2); omnistage's denoiser worker gets 2 threads, its text-encoder and
+VAE workers 1 each (they are idle most of the time: see docs/bench-diffusion.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from omnistage.bench.diffusion_baselines import (
+    GUIDANCE_SCALE,
+    MAX_SEQUENCE_LENGTH,
+    BenchRequest,
+    RequestRecord,
+    RunResult,
+    run_ideal,
+    run_request_batching,
+    run_serial,
+)
+from omnistage.bench.diffusion_model import DENOISER_CONFIG, bench_model_dir, load_reference_pipeline
+
+PROMPTS = [
+    "a photo of a cat sitting on a red chair",
+    "a watercolor painting of mountains at sunrise",
+    "an astronaut riding a horse on the moon",
+    "a bowl of fruit on a wooden table, studio lighting",
+    "a futuristic city skyline at night with neon lights",
+    "a portrait of an old man with a beard, oil painting",
+    "a small boat on a calm lake surrounded by trees",
+]
+SMALL, LARGE = 256, 512
+
+
+@dataclass
+class BenchConfig:
+    quick: bool = False
+    threads: int = 2
+    max_batch_size: int = 8  # images per denoiser forward (x2 rows with CFG)
+    saturation_requests: int = 32
+    saturation_steps: tuple[int, int] = (4, 12)
+    saturation_repeats: int = 3
+    mixed_requests: int = 48
+    mixed_small_steps: int = 4
+    mixed_large_steps: int = 12
+    mixed_traces: int = 3
+    load: float = 0.7
+    capacity_samples: int = 2
+
+    @classmethod
+    def make(cls, quick: bool) -> BenchConfig:
+        if not quick:
+            return cls()
+        return cls(
+            quick=True, saturation_requests=4, saturation_steps=(1, 3), saturation_repeats=1,
+            mixed_requests=6, mixed_small_steps=1, mixed_large_steps=2, mixed_traces=1, capacity_samples=1,
+        )
+
+
+def log(msg: str) -> None:
+    print(f"[bench diffusion {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- workloads ------------------------------------------------------------------------------
+
+
+def saturation_requests(cfg: BenchConfig, seed: int = 0) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    lo, hi = cfg.saturation_steps
+    return [
+        BenchRequest(i, PROMPTS[i % len(PROMPTS)], 1000 + i, SMALL, rng.randint(lo, hi))
+        for i in range(cfg.saturation_requests)
+    ]
+
+
+def mixed_trace(cfg: BenchConfig, rate_rps: float, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    n_large = cfg.mixed_requests // 3
+    kinds = [LARGE] * n_large + [SMALL] * (cfg.mixed_requests - n_large)
+    rng.shuffle(kinds)
+    t = 0.0
+    out = []
+    for i, size in enumerate(kinds):
+        steps = cfg.mixed_large_steps if size == LARGE else cfg.mixed_small_steps
+        out.append(BenchRequest(i, PROMPTS[i % len(PROMPTS)], seed * 1000 + i, size, steps, arrival_s=t))
+        t += rng.expovariate(rate_rps)
+    return out
+
+
+# -- omnistage through its runtime ----------------------------------------------------------
+
+
+def omnistage_yaml(model_dir: Path, cfg: BenchConfig) -> str:
+    return f"""
+name: bench-diffusion
+description: diffusion benchmark pipeline (SD3 architecture, fixed denoiser)
+inputs: {{prompt: text}}
+outputs: {{image: image}}
+stages:
+  text_encoder:
+    kind: text_encoder
+    model: {model_dir}
+    pool: {{devices: [cpu], threads: 1, dtype: float32}}
+    batching: {{policy: dynamic, max_batch_size: {2 * cfg.max_batch_size}, max_wait_ms: 1}}
+  denoiser:
+    kind: denoiser
+    model: {model_dir}
+    pool: {{devices: [cpu], threads: {cfg.threads}, dtype: float32}}
+    batching: {{policy: step, max_batch_size: {cfg.max_batch_size}}}
+  vae:
+    kind: vae_decoder
+    model: {model_dir}
+    pool: {{devices: [cpu], threads: 1, dtype: float32}}
+    batching: {{policy: dynamic, max_batch_size: {cfg.max_batch_size}, max_wait_ms: 1}}
+edges:
+  - {{from: inputs.prompt, to: text_encoder.prompt}}
+  - {{from: text_encoder.prompt_embeds, to: denoiser.prompt_embeds}}
+  - {{from: text_encoder.pooled_prompt_embeds, to: denoiser.pooled_prompt_embeds}}
+  - {{from: denoiser.latents, to: vae.latents}}
+  - {{from: vae.image, to: outputs.image}}
+"""
+
+
+def start_omnistage(model_dir: Path, cfg: BenchConfig):
+    from omnistage import Pipeline
+
+    path = Path(tempfile.mkdtemp(prefix="omnistage-bench-")) / "bench-diffusion.yaml"
+    path.write_text(omnistage_yaml(model_dir, cfg))
+    return Pipeline.from_yaml(str(path), ready_timeout=900)
+
+
+def _generation(r: BenchRequest) -> dict:
+    return {
+        "width": r.size, "height": r.size, "num_inference_steps": r.steps, "seed": r.seed,
+        "guidance_scale": GUIDANCE_SCALE, "negative_prompt": "", "max_sequence_length": MAX_SEQUENCE_LENGTH,
+        "output_type": "float",
+    }
+
+
+def run_omnistage(pipe, requests: list[BenchRequest]) -> RunResult:
+    """Replay requests (arrival offsets) through Pipeline.stream; first step from progress events."""
+    from omnistage.stages.diffusion import stage_params
+
+    before = _denoiser_step_ms(pipe)
+    first_progress: dict[int, float] = {}
+
+    async def one(r: BenchRequest, t0: float, rec: RequestRecord) -> None:
+        delay = t0 + r.arrival_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async for chunk in pipe.stream({"prompt": r.prompt}, stage_params(pipe, _generation(r))):
+            if chunk.progress is not None and r.index not in first_progress:
+                first_progress[r.index] = time.perf_counter()
+            if chunk.port == "image" and chunk.data is not None:
+                rec.image = chunk.data[0].permute(2, 0, 1).float()
+        rec.finish = time.perf_counter()
+
+    async def main() -> tuple[dict[int, RequestRecord], float]:
+        t0 = time.perf_counter()
+        records = {r.index: RequestRecord(r.index, t0 + r.arrival_s) for r in requests}
+        await asyncio.gather(*(one(r, t0, records[r.index]) for r in requests))
+        return records, t0
+
+    records, t0 = asyncio.run(main())
+    wall = max(rec.finish for rec in records.values()) - t0
+    step_ms = _denoiser_step_ms(pipe) or before
+    # The first denoise step ends when its progress event is sent: subtract one typical step.
+    for idx, rec in records.items():
+        rec.first_step = max(rec.arrival, first_progress.get(idx, rec.finish) - step_ms / 1000.0)
+    return RunResult([records[r.index] for r in requests], wall, {"step_ms_p50": step_ms})
+
+
+def _denoiser_step_ms(pipe) -> float:
+    try:
+        return float(pipe.stage_stats()["denoiser"]["step_ms_p50"])
+    except Exception:  # noqa: BLE001 - stats are best effort
+        return 0.0
+
+
+# -- figures --------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def latency_figures(result: RunResult) -> dict:
+    lat = [r.latency_s * 1000 for r in result.records]
+    wait = [r.queue_wait_s * 1000 for r in result.records]
+    return {
+        "latency_ms_p50": percentile(lat, 0.5),
+        "latency_ms_p99": percentile(lat, 0.99),
+        "queue_wait_ms_mean": statistics.fmean(wait),
+        "wall_s": result.wall_s,
+        "throughput_rps": len(result.records) / result.wall_s,
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def max_image_diff(a: RunResult, b: RunResult, count: int) -> float:
+    worst = 0.0
+    for ra, rb in list(zip(a.records, b.records))[:count]:
+        worst = max(worst, (ra.image.float() - rb.image.float()).abs().max().item())
+    return worst
+
+
+def warm_up(ref, pipe, cfg: BenchConfig) -> None:
+    small = BenchRequest(0, PROMPTS[0], 1, SMALL, 1)
+    large = BenchRequest(1, PROMPTS[1], 2, LARGE, 1)
+    run_serial(ref, [small, large])
+    run_omnistage(pipe, [small, large])
+
+
+def measure_capacity(ref, cfg: BenchConfig) -> dict:
+    """Serial service time per request kind, then capacity on the 2/3 small + 1/3 large mix."""
+    small = [BenchRequest(i, PROMPTS[i], 7 + i, SMALL, cfg.mixed_small_steps) for i in range(cfg.capacity_samples)]
+    large = [BenchRequest(i, PROMPTS[i], 9 + i, LARGE, cfg.mixed_large_steps) for i in range(cfg.capacity_samples)]
+    t_small = statistics.fmean(r.latency_s for r in run_serial(ref, small).records)
+    t_large = statistics.fmean(r.latency_s for r in run_serial(ref, large).records)
+    mean_service = (2 * t_small + t_large) / 3
+    return {"service_s_small": t_small, "service_s_large": t_large, "mean_service_s": mean_service,
+            "capacity_rps": 1.0 / mean_service, "arrival_rate_rps": cfg.load / mean_service}
+
+
+def run_benchmark(cfg: BenchConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    t_start = time.perf_counter()
+    model_dir = bench_model_dir()
+    log(f"model {model_dir}; quick={cfg.quick}; loading diffusers reference and starting omnistage")
+    ref = load_reference_pipeline(model_dir, threads=cfg.threads)
+    pipe = start_omnistage(model_dir, cfg)
+    try:
+        warm_up(ref, pipe, cfg)
+        out: dict = {"config": _config_summary(cfg, model_dir)}
+
+        # saturation
+        sat_requests = saturation_requests(cfg)
+        runs = {"serial": [], "request_batching": [], "ideal": [], "omnistage": []}
+        equal_diff = None
+        for rep in range(cfg.saturation_repeats):
+            log(f"saturation {rep + 1}/{cfg.saturation_repeats}: {len(sat_requests)} requests")
+            serial = run_serial(ref, sat_requests)
+            batching = run_request_batching(ref, sat_requests, cfg.max_batch_size)
+            ideal = run_ideal(ref, sat_requests, cfg.max_batch_size)
+            omni = run_omnistage(pipe, sat_requests)
+            for name, res in (("serial", serial), ("request_batching", batching), ("ideal", ideal), ("omnistage", omni)):
+                runs[name].append(len(res.records) / res.wall_s)
+            if equal_diff is None:
+                equal_diff = max_image_diff(omni, serial, 4)
+            log("  throughput rps: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()))
+        out["saturation"] = {name: {"throughput_rps": spread(v)} for name, v in runs.items()}
+        sat_vs_serial = [o / s for o, s in zip(runs["omnistage"], runs["serial"])]
+        sat_vs_ideal = [o / i for o, i in zip(runs["omnistage"], runs["ideal"])]
+
+        # mixed traffic
+        cap = measure_capacity(ref, cfg)
+        log(f"serial capacity {cap['capacity_rps']:.3f} rps; arrivals at {cap['arrival_rate_rps']:.3f} rps")
+        traces = []
+        for k in range(cfg.mixed_traces):
+            trace = mixed_trace(cfg, cap["arrival_rate_rps"], seed=100 + k)
+            row = {"seed": 100 + k, "duration_s": trace[-1].arrival_s}
+            for name, fn in (
+                ("serial", lambda t: run_serial(ref, t)),
+                ("request_batching", lambda t: run_request_batching(ref, t, cfg.max_batch_size)),
+                ("omnistage", lambda t: run_omnistage(pipe, t)),
+            ):
+                log(f"mixed trace {k + 1}/{cfg.mixed_traces} ({len(trace)} requests over "
+                    f"{trace[-1].arrival_s:.1f}s): {name}")
+                res = fn(trace)
+                row[name] = latency_figures(res)
+                if name == "omnistage":
+                    row[name]["step_ms_p50"] = res.extra["step_ms_p50"]
+                log("  " + ", ".join(f"{key} {val:.1f}" for key, val in row[name].items()))
+            traces.append(row)
+        out["mixed"] = {**cap, "traces": traces}
+
+        def med(system: str, key: str) -> dict:
+            return spread([t[system][key] for t in traces])
+
+        for system in ("serial", "request_batching", "omnistage"):
+            out[system] = {key: med(system, key) for key in
+                           ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean", "throughput_rps")}
+            out[system]["saturation_throughput_rps"] = spread(runs[system])
+        out["omnistage"]["step_ms_p50"] = med("omnistage", "step_ms_p50")
+        out["ideal"] = {"saturation_throughput_rps": spread(runs["ideal"])}
+
+        def ratio(a: str, b: str, key: str) -> list[float]:
+            return [t[a][key] / t[b][key] for t in traces]
+
+        ratios = {
+            "throughput_vs_serial": spread(sat_vs_serial),
+            "throughput_vs_ideal": spread(sat_vs_ideal),
+            "p50_latency_vs_serial": spread(ratio("omnistage", "serial", "latency_ms_p50")),
+            "p50_latency_vs_request_batching": spread(ratio("omnistage", "request_batching", "latency_ms_p50")),
+            "p99_latency_vs_serial": spread(ratio("omnistage", "serial", "latency_ms_p99")),
+        }
+        wait_vs_step = [t["omnistage"]["queue_wait_ms_mean"] / max(t["omnistage"]["step_ms_p50"], 1e-9) for t in traces]
+        out["ratios"] = {k: v["median"] for k, v in ratios.items()}
+        out["ratios_spread"] = ratios
+        out["checks"] = {"equal_diffusers": bool(equal_diff is not None and equal_diff < 1e-3),
+                         "equal_diffusers_max_abs_diff": equal_diff, "equal_diffusers_requests": 4}
+        targets = {
+            "throughput_vs_serial": (out["ratios"]["throughput_vs_serial"], ">=", 1.0),
+            "throughput_vs_ideal": (out["ratios"]["throughput_vs_ideal"], ">=", 0.9),
+            "p50_latency_vs_serial": (out["ratios"]["p50_latency_vs_serial"], "<=", 0.5),
+            "p50_latency_vs_request_batching": (out["ratios"]["p50_latency_vs_request_batching"], "<=", 0.5),
+            "p99_latency_vs_serial": (out["ratios"]["p99_latency_vs_serial"], "<=", 1.5),
+            "queue_wait_ms_mean_vs_step_ms_p50": (statistics.median(wait_vs_step), "<=", 1.0),
+        }
+        out["targets"] = {k: {"value": v, "target": f"{op} {t}", "met": (v >= t if op == ">=" else v <= t)}
+                          for k, (v, op, t) in targets.items()}
+        out["elapsed_s"] = time.perf_counter() - t_start
+        return out
+    finally:
+        pipe.close()
+
+
+def _config_summary(cfg: BenchConfig, model_dir: Path) -> dict:
+    return {
+        "quick": cfg.quick, "threads": cfg.threads, "max_batch_size": cfg.max_batch_size,
+        "denoiser": DENOISER_CONFIG, "dtype": "float32", "guidance_scale": GUIDANCE_SCALE,
+        "text_tokens": {"clip": MAX_SEQUENCE_LENGTH, "t5": MAX_SEQUENCE_LENGTH},
+        "sizes": {"small": SMALL, "large": LARGE}, "model_dir": str(model_dir),
+        "saturation": {"requests": cfg.saturation_requests, "steps": list(cfg.saturation_steps),
+                       "repeats": cfg.saturation_repeats},
+        "mixed": {"requests": cfg.mixed_requests, "small_steps": cfg.mixed_small_steps,
+                  "large_steps": cfg.mixed_large_steps, "traces": cfg.mixed_traces, "load": cfg.load},
+        "torch": torch.__version__,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="omnistage bench diffusion", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", dest="json_path", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="reduced workloads (about a minute)")
+    ap.add_argument("--max-batch-size", type=int, default=None)
+    ap.add_argument("--traces", type=int, default=None)
+    args = ap.parse_args(argv)
+    cfg = BenchConfig.make(args.quick)
+    if args.max_batch_size:
+        cfg.max_batch_size = args.max_batch_size
+    if args.traces:
+        cfg.mixed_traces = args.traces
+    result = run_benchmark(cfg)
+    text = json.dumps(result, indent=2, default=float)
+    if args.json_path:
+        Path(args.json_path).write_text(text)
+    print(json.dumps({"ratios": result["ratios"], "checks": result["checks"],
+                      "targets": {k: v["met"] for k, v in result["targets"].items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

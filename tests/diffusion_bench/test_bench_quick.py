@@ -1,0 +1,30 @@
+"""`omnistage bench diffusion --quick --json FILE` runs end to end and writes the documented keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_quick_bench_writes_the_json_keys(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "omnistage.serving.cli", "bench", "diffusion", "--quick", "--json", str(out)],
+        env=env, capture_output=True, text=True, timeout=420,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    for key in ("throughput_vs_serial", "throughput_vs_ideal", "p50_latency_vs_serial",
+                "p50_latency_vs_request_batching", "p99_latency_vs_serial"):
+        assert isinstance(data["ratios"][key], float) and data["ratios"][key] > 0
+    for system in ("serial", "request_batching", "omnistage"):
+        for key in ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean"):
+            assert data[system][key]["median"] > 0
+    assert data["omnistage"]["step_ms_p50"]["median"] > 0
+    # the 4-request equality check against diffusers ran and passed (same seeds, 1e-3)
+    assert data["checks"]["equal_diffusers"] is True
+    assert data["config"]["denoiser"]["num_layers"] == 4 and data["config"]["quick"] is True
+    assert {"met", "value", "target"} <= set(data["targets"]["throughput_vs_serial"])
