@@ -1,7 +1,8 @@
 """Stage kind `text_encoder`: prompt (+ negative prompt) -> prompt embeddings, dynamic batching.
 
 Built on the runtime's DynamicBatchEngine: a batch holds requests with the same
-max_sequence_length; their prompts and negative prompts go through each encoder in ONE call.
+max_sequence_length; their distinct prompts and negative prompts go through each encoder in
+ONE call.
 Output rows per request: [prompt] or [prompt, negative prompt] (see docs/diffusion.md), plus
 `warnings` (diffusers' truncation notices for over-long prompts).
 """
@@ -9,6 +10,8 @@ Output rows per request: [prompt] or [prompt, negative prompt] (see docs/diffusi
 from __future__ import annotations
 
 from typing import Any, Hashable
+
+import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageRequest
@@ -73,22 +76,24 @@ class TextEncoderStage(DynamicBatchEngine):
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
         parsed = [self._parsed.pop(r.request_id, None) for r in requests]
         good = [p for p in parsed if isinstance(p, tuple)]
-        enc = None
+        enc, index = None, {}
         if good:
-            enc = self.adapter.encode([t for prompts, _ in good for t in prompts], good[0][1])
+            # each distinct text once (the empty negative prompt is shared by most requests);
+            # rows do not depend on their batch mates, so this changes no result
+            unique = list(dict.fromkeys(t for prompts, _ in good for t in prompts))
+            index = {t: i for i, t in enumerate(unique)}
+            enc = self.adapter.encode(unique, good[0][1])
         results: list[Any] = []
-        row = 0
         for p in parsed:
             if not isinstance(p, tuple):
                 results.append(p if p is not None else RuntimeError("request state lost"))
                 continue
-            rows = slice(row, row + len(p[0]))
-            row += len(p[0])
-            out: dict[str, Any] = {"prompt_embeds": enc.embeds[rows].contiguous()}
+            rows = torch.tensor([index[t] for t in p[0]])
+            out: dict[str, Any] = {"prompt_embeds": enc.embeds.index_select(0, rows.to(enc.embeds.device))}
             if enc.pooled is not None:
-                out["pooled_prompt_embeds"] = enc.pooled[rows].contiguous()
+                out["pooled_prompt_embeds"] = enc.pooled.index_select(0, rows.to(enc.pooled.device))
             if enc.mask is not None:
-                out["prompt_mask"] = enc.mask[rows].contiguous()
-            out["warnings"] = [w for ws in (enc.warnings[rows] if enc.warnings else []) for w in ws]
+                out["prompt_mask"] = enc.mask.index_select(0, rows.to(enc.mask.device))
+            out["warnings"] = [w for i in rows.tolist() for w in (enc.warnings[i] if enc.warnings else [])]
             results.append(out)
         return results
