@@ -1,7 +1,8 @@
 """Stage kind `denoiser`: step-level continuous batching over per-request scheduler state.
 
-add() validates the request and prepares its DenoiseState (latents from its own generator,
-its own scheduler); every step() runs one shared transformer forward through the StepEngine
+add() validates the request (family rules, and the stage params max_inference_steps
+(default 1000), max_images_per_prompt (64), max_frames (1024), max_pixels (4096x4096)) and
+prepares its DenoiseState (latents from its own generator, its own scheduler); every step() runs one shared transformer forward through the StepEngine
 and emits progress (step i of n) for each request in it, and the final latents when done.
 """
 
@@ -37,11 +38,41 @@ class DenoiserStage(StageEngine):
         )
         self.step_log = self.engine.step_log
         self._errors: list[Emission] = []
+        p = ctx.params or {}
+        # request-size limits (stage params): a request beyond them fails as invalid_request
+        self.limits = {
+            "num_inference_steps": int(p.get("max_inference_steps", 1000)),
+            "num_images_per_prompt": int(p.get("max_images_per_prompt", 64)),
+            "num_frames": int(p.get("max_frames", 1024)),
+        }
+        self.max_pixels = int(p.get("max_pixels", 4096 * 4096))
+
+    @classmethod
+    def validate_params(cls, params):
+        problems = []
+        for key in ("max_inference_steps", "max_images_per_prompt", "max_frames", "max_pixels"):
+            value = (params or {}).get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                problems.append(f"{key} must be a positive integer, got {value!r}")
+        return problems
+
+    def _check_limits(self, params: GenerationParams) -> None:
+        for key, limit in self.limits.items():
+            value = getattr(params, key)
+            if value is not None and value > limit:
+                raise InvalidRequestError(f"{key} must be <= {limit} on this server, got {value}", param=key)
+        if params.width and params.height and params.width * params.height > self.max_pixels:
+            raise InvalidRequestError(
+                f"width x height must be <= {self.max_pixels} pixels on this server, got "
+                f"{params.width}x{params.height}",
+                param="width",
+            )
 
     def add(self, request: StageRequest) -> None:
         rid = request.request_id
         try:
             params = GenerationParams.from_dict(request.params)
+            self._check_limits(params)
             embeds = request.inputs.get("prompt_embeds")
             if embeds is None:
                 raise ValueError("denoiser request without prompt_embeds")
@@ -50,6 +81,8 @@ class DenoiserStage(StageEngine):
                 pooled=request.inputs.get("pooled_prompt_embeds"),
                 mask=request.inputs.get("prompt_mask"),
             )
+            if self.engine.state(rid) is not None:
+                raise ValueError(f"request {rid!r} is already denoising")
             state = self.adapter.prepare(rid, params, text)
         except InvalidRequestError as exc:
             self._errors.append(Emission(rid, error=str(exc), error_kind="invalid_request", finished=True))

@@ -141,6 +141,8 @@ def test_cancel_mid_denoise_leaves_others_unchanged(family, local_graph, referen
         (dict(num_inference_steps=0), "num_inference_steps"),
         (dict(num_images_per_prompt=0), "num_images_per_prompt"),
         (dict(guidance_scale=-1.0), "guidance_scale"),
+        (dict(num_inference_steps=1001), "num_inference_steps"),  # beyond the stage's limit
+        (dict(seed="abc"), "seed"),
     ],
 )
 def test_bad_params_fail_alone(bad, param, sd3_dir, local_graph, reference):
