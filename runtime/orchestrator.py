@@ -397,9 +397,14 @@ class Orchestrator:
                 data = decode(payload, self._reader, slot) if has_data else None
                 req.sink(OutputChunk(req.rid, e.dst.port, data, last, None, src_stage))
             return
+        if req.rid not in self._requests:
+            return  # failed while this emission was being routed
         dst = e.dst.stage
         first = dst not in req.replicas
         r = self._replica_for(req, dst)
+        if r.dead:
+            self._finish(req, WorkerDiedError(dst, f"replica {r.index} is down and could not be restarted: {r.start_error}"), "worker_died")
+            return
         self._send(r, Deliver(req.rid, e.dst.port, payload, slot, last, has_data, self._meta(req, dst) if first else None))
 
     def _finish(self, req: _Request, error: BaseException | None, outcome: str) -> None:
@@ -459,6 +464,14 @@ class Orchestrator:
                 self._finish(req, None, "ok")
 
     def _on_death(self, r: Replica) -> None:
+        # what the worker sent before dying still counts (e.g. a request it just finished)
+        try:
+            while r.conn is not None and r.conn.poll():
+                self._on_message(r, recv_msg(r.conn))
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001
+            log.exception("omnistage: reading the last messages of %s failed", r.name)
         proc = r.proc
         proc.join(timeout=1)
         code = proc.exitcode
