@@ -28,7 +28,9 @@ class ServingMiddleware:
         path = scope.get("path", "")
         system = path in SYSTEM_PATHS or path.startswith("/v1/models/")
         if self.registry.draining and not system:
-            return await _reject_draining(kind, send)
+            await _reject_draining(kind, send)
+            self.metrics.observe(scope.get("method", "WS"), "draining", 503, 0.0)
+            return
         # Label: the HTTP status; for websockets 101 once accepted, 403 if closed before that.
         status = {"code": 500}
 

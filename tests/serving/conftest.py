@@ -125,10 +125,11 @@ def start_server(args: list[str], log_path: Path, port: int | None = None) -> Se
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
-    """tests/serving/slow-scale.yaml served with its first stage sleeping 1.5 s per request."""
+    """tests/serving/slow-scale.yaml served with its first stage sleeping 0.2 s per call
+    (requests may ask for longer with params {"slow": {"delay_s": ...}})."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     server = start_server([str(HERE / "slow-scale.yaml"), "--drain-timeout", "30",
-                           "--set", "slow-scale:stages.slow.params.kwargs.delay_s=1.5"], log_path)
+                           "--set", "slow-scale:stages.slow.params.kwargs.delay_s=0.2"], log_path)
     try:
         server.wait_ready()
         yield server

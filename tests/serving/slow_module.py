@@ -12,18 +12,22 @@ CRASH_ABOVE = 1e6  # a stage failure -> RuntimeError -> 500
 
 
 class SlowScale(torch.nn.Module):
-    """y = x * factor, after sleeping `delay_s` (per call) to keep a request in flight."""
+    """y = x * factor, after sleeping `delay_s` (per call) to keep a request in flight.
+
+    Built with `pass_params: true`, a request may set its own {"delay_s": ...}.
+    """
 
     def __init__(self, factor: float = 2.0, delay_s: float = 0.0):
         super().__init__()
         self.factor = factor
         self.delay_s = delay_s
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, params: dict | None = None) -> torch.Tensor:
         if (x < INVALID_BELOW).any():
             raise InvalidRequestError(f"x must be >= {INVALID_BELOW}", param="x")
         if (x > CRASH_ABOVE).any():
             raise RuntimeError("value too large for this test module")
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        delay = float((params or {}).get("delay_s", self.delay_s))
+        if delay:
+            time.sleep(delay)
         return x * self.factor

@@ -1,7 +1,7 @@
 """`omnistage serve` as a real subprocess, probed with a real HTTP client.
 
-One server (tests/serving/slow-scale.yaml, first stage sleeping 1.5 s per request) serves
-the whole module; the drain test runs last because it ends the process.
+One server (tests/serving/slow-scale.yaml; its first stage sleeps 0.2 s per call, or what a
+request asks for) serves the module; the drain test comes late because it ends the process.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from omnistage.tests.serving.slow_module import SlowScale
 
 HERE = Path(__file__).parent
 MODEL = "slow-scale"
+SLOW = {"params": {"slow": {"delay_s": 2.0}}}  # holds a request in the slow stage
 
 
 def _reference(x: list[float]) -> list[float]:
@@ -114,7 +115,8 @@ def test_stage_failures_map_to_http_statuses(slow_server):
     err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [5e6]}}, timeout=30), 500,
                                "stage_error")
     assert err["type"] == "server_error" and "slow" in err["message"]
-    _assert_openai_error(httpx.post(url, json={"inputs": {"x": [1.0]}, "timeout": 0.3},
+    _assert_openai_error(httpx.post(url, json={"inputs": {"x": [1.0]}, "timeout": 0.3,
+                                               "params": {"slow": {"delay_s": 1.5}}},
                                     timeout=30), 504, "deadline_exceeded")
 
 
@@ -123,9 +125,10 @@ def test_full_intake_queue_rejects_at_once(slow_server):
     statuses: list[int] = []
 
     def call():
-        statuses.append(httpx.post(url, json={"inputs": {"x": [1.0]}}, timeout=30).status_code)
+        statuses.append(httpx.post(url, json={"inputs": {"x": [1.0]}, **SLOW}, timeout=30)
+                        .status_code)
 
-    # max_queued_requests is 2 and each request holds the slow stage for 1.5 s.
+    # max_queued_requests is 2 and each request holds the slow stage for 2 s.
     threads = [threading.Thread(target=call) for _ in range(2)]
     for t in threads:
         t.start()
@@ -183,7 +186,8 @@ def test_client_disconnect_cancels_the_pipeline_request(slow_server):
     url = slow_server.url
     before = _pipeline_outcome(url, "cancelled")
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the slow stage runs
-        httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [1.0]}}, timeout=0.5)
+        httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [1.0]}, **SLOW},
+                   timeout=0.5)
     deadline = time.monotonic() + 10
     while _pipeline_outcome(url, "cancelled") <= before:
         assert time.monotonic() < deadline, "the abandoned request was never cancelled"
@@ -199,7 +203,8 @@ def test_sigterm_drains_inflight_then_exits_clean(slow_server):
 
     def slow_request():
         try:
-            r = httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [4.0]}},
+            r = httpx.post(f"{url}/v1/pipelines/{MODEL}/run",
+                           json={"inputs": {"x": [4.0]}, "params": {"slow": {"delay_s": 4.0}}},
                            timeout=60)
             result["status"], result["body"] = r.status_code, r.json()
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
@@ -229,6 +234,10 @@ def test_sigterm_drains_inflight_then_exits_clean(slow_server):
             time.sleep(0.02)
     assert refused is not None, "the server stopped listening before in-flight work finished"
     _assert_openai_error(refused, 503, "draining")
+    metrics = httpx.get(f"{url}/metrics").text  # probes still answer while draining
+    assert 'route="draining",status="503"' in metrics and "omnistage_draining 1.0" in metrics
+    assert httpx.get(f"{url}/ready").json()["draining"] is True
+    assert httpx.get(f"{url}/health").json()["status"] == "draining"
 
     worker.join(60)
     assert result.get("status") == 200, result
