@@ -332,6 +332,16 @@ class DenoiserAdapter(ComponentLoading):
             sched.set_begin_index(0)
         return sched
 
+    @staticmethod
+    def check_size(height: int, width: int, multiple: int) -> None:
+        """Sizes must be multiples of the VAE factor x patch size (diffusers' check_inputs)."""
+        if height % multiple or width % multiple:
+            raise InvalidRequestError(
+                f"height and width must be multiples of {multiple} (VAE factor x patch size), got "
+                f"{height}x{width}; e.g. {height - height % multiple or multiple}x{width - width % multiple or multiple}",
+                param="height" if height % multiple else "width",
+            )
+
     def draw_latents(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """As diffusers' randn_tensor with a CPU generator: drawn on the CPU, then moved."""
         return torch.randn(shape, generator=generator, device="cpu", dtype=self.dtype).to(self.device)

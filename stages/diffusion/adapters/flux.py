@@ -86,15 +86,11 @@ class FluxDenoiser(DenoiserAdapter):
         self.latent_channels = cfg.in_channels // 4
         self.guidance_embeds = bool(cfg.guidance_embeds)
         self.default_size = DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
-        # reuse the SD3 adapter's size message
-        from omnistage.stages.diffusion.adapters.sd3 import SD3Denoiser
-
-        self._check_size = SD3Denoiser.check_size
 
     def prepare(self, request_id, params, text) -> DenoiseState:
         h = params.height or self.default_size
         w = params.width or self.default_size
-        self._check_size(self, h, w, self.vae_scale_factor * 2)
+        self.check_size(h, w, self.vae_scale_factor * 2)
         steps = params.num_inference_steps or DEFAULT_STEPS
         guidance = DEFAULT_GUIDANCE if params.guidance_scale is None else float(params.guidance_scale)
         do_cfg = true_cfg(params)

@@ -125,14 +125,6 @@ class SD3Denoiser(DenoiserAdapter):
         self.in_channels = cfg.in_channels
         self.default_size = cfg.sample_size * self.vae_scale_factor
 
-    def check_size(self, height: int, width: int, multiple: int) -> None:
-        if height % multiple or width % multiple:
-            raise InvalidRequestError(
-                f"height and width must be multiples of {multiple} (VAE factor x patch size), got "
-                f"{height}x{width}; e.g. {height - height % multiple or multiple}x{width - width % multiple or multiple}",
-                param="height" if height % multiple else "width",
-            )
-
     def cfg_rows(self, text: TextConditioning, n: int, do_cfg: bool, key: str) -> torch.Tensor | None:
         t = getattr(text, key)
         if t is None:
