@@ -10,7 +10,6 @@ import json
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,7 +21,6 @@ from omnistage.tests.serving.conftest import (alive, cmdline, descendants, shm_s
                                               start_server)
 from omnistage.tests.serving.slow_module import SlowScale
 
-HERE = Path(__file__).parent
 MODEL = "slow-scale"
 SLOW = {"params": {"slow": {"delay_s": 2.0}}}  # holds a request in the slow stage
 
@@ -260,32 +258,3 @@ def test_invalid_config_exits_2_before_serving(tmp_path):
     assert server.proc.wait(60) == 2
     assert f"{bad}:4:" in server.log()
 
-
-def test_sigterm_while_loading_exits_clean(tmp_path):
-    server = start_server([str(HERE / "slow-scale.yaml")], tmp_path / "early.log")
-    try:
-        deadline = time.monotonic() + 60
-        while True:  # the first answer comes while the workers are still starting
-            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()
-            try:
-                health = httpx.get(f"{server.url}/health").json()
-                break
-            except httpx.TransportError:
-                time.sleep(0.05)
-        assert health["status"] == "starting"
-        assert httpx.get(f"{server.url}/ready").status_code == 503
-        time.sleep(0.5)  # let the loader start spawning workers
-        children = descendants(server.proc.pid)
-        server.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while server.proc.poll() is None and time.monotonic() < deadline:
-            children |= descendants(server.proc.pid)  # workers may still be spawned
-            time.sleep(0.1)
-        assert server.proc.wait(1) == 0, server.log()
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in children if alive(pid)]
-        assert not shm_segments_of(children | {server.proc.pid})
-    finally:
-        server.stop()
