@@ -286,11 +286,17 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         equal_diff = None
         for rep in range(cfg.saturation_repeats):
             log(f"saturation {rep + 1}/{cfg.saturation_repeats}: {len(sat_requests)} requests")
-            serial = run_serial(ref, sat_requests)
-            batching = run_request_batching(ref, sat_requests, cfg.max_batch_size)
-            ideal = run_ideal(ref, sat_requests, cfg.max_batch_size)
-            omni = run_omnistage(pipe, sat_requests)
-            for name, res in (("serial", serial), ("request_batching", batching), ("ideal", ideal), ("omnistage", omni)):
+            systems = {
+                "serial": lambda: run_serial(ref, sat_requests),
+                "request_batching": lambda: run_request_batching(ref, sat_requests, cfg.max_batch_size),
+                "ideal": lambda: run_ideal(ref, sat_requests, cfg.max_batch_size),
+                "omnistage": lambda: run_omnistage(pipe, sat_requests),
+            }
+            results = {}
+            for name in _rotated(list(systems), rep):  # the machine drifts: vary who goes first
+                results[name] = systems[name]()
+            serial, omni = results["serial"], results["omnistage"]
+            for name, res in results.items():
                 runs[name].append(len(res.records) / res.wall_s)
             if equal_diff is None:
                 equal_diff = max_image_diff(omni, serial, 4)
@@ -306,11 +312,13 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         for k in range(cfg.mixed_traces):
             trace = mixed_trace(cfg, cap["arrival_rate_rps"], seed=100 + k)
             row = {"seed": 100 + k, "duration_s": trace[-1].arrival_s}
-            for name, fn in (
-                ("serial", lambda t: run_serial(ref, t)),
-                ("request_batching", lambda t: run_request_batching(ref, t, cfg.max_batch_size)),
-                ("omnistage", lambda t: run_omnistage(pipe, t)),
-            ):
+            systems = {
+                "serial": lambda t: run_serial(ref, t),
+                "request_batching": lambda t: run_request_batching(ref, t, cfg.max_batch_size),
+                "omnistage": lambda t: run_omnistage(pipe, t),
+            }
+            for name in _rotated(list(systems), k):
+                fn = systems[name]
                 log(f"mixed trace {k + 1}/{cfg.mixed_traces} ({len(trace)} requests over "
                     f"{trace[-1].arrival_s:.1f}s): {name}")
                 res = fn(trace)
@@ -362,6 +370,11 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         return out
     finally:
         pipe.close()
+
+
+def _rotated(names: list[str], k: int) -> list[str]:
+    k %= len(names)
+    return names[k:] + names[:k]
 
 
 def _config_summary(cfg: BenchConfig, model_dir: Path) -> dict:
