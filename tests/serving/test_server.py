@@ -65,6 +65,17 @@ def test_models_list_in_openai_format(slow_server):
     assert httpx.get(f"{slow_server.url}/v1/models/{MODEL}").json()["id"] == MODEL
 
 
+def test_official_openai_client_reads_models_and_errors(slow_server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{slow_server.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).owned_by == "omnistage"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+
+
 def test_run_matches_in_process_reference(slow_server):
     x = [0.5, -1.0, 3.25]
     r = httpx.post(f"{slow_server.url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": x}},
