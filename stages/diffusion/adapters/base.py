@@ -101,15 +101,12 @@ class GenerationParams:
                 extra[key] = value
                 continue
             types = _PARAM_TYPES[key]
-            if isinstance(value, bool) or not isinstance(value, types):
-                if float in types and isinstance(value, int) and not isinstance(value, bool):
-                    pass
-                else:
-                    raise InvalidRequestError(
-                        f"{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
-                        f"got {value!r}",
-                        param=key,
-                    )
+            if isinstance(value, bool) or not isinstance(value, types):  # bool is an int: refuse it
+                raise InvalidRequestError(
+                    f"{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
+                    f"got {value!r}",
+                    param=key,
+                )
             known[key] = value
         p = cls(**known, extra=extra)
         if p.num_inference_steps is not None and p.num_inference_steps < 1:
