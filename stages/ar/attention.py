@@ -5,11 +5,18 @@ The KV cache of one layer is a tensor [2, num_kv_heads, num_slots, head_dim]
 first the decode tokens (one per sequence), then each prefill chunk. `AttentionMetadata`
 is built once per step and shared by every layer.
 
-Decode: every decoding sequence's context is gathered through its block table into a padded
-[kv_heads, B, L, d] view and attended with one SDPA call, the query heads of a KV group laid
-out as the query-length axis (GQA without repeating K/V). Sequences are bucketed by context
-length so the padding stays small. Prefill chunks attend one SDPA call each (causal; chunks
-that continue a cached prefix gather their earlier context).
+Decode. Gathering every decoding sequence's context through its block table costs a full
+copy of the batch's KV per layer per step. `DecodeBuffer` avoids it: it keeps a contiguous,
+padded copy [2, kv_heads, rows, L, d] of the decoding sequences' K/V (the paged cache stays
+the source of truth). While the set of decoding sequences stays the same, a step only appends
+each sequence's new K/V to its row; when sequences join (or too many rows died), the buffer is
+rebuilt with one block gather. Rows are sorted by context length and attended in length
+groups (one SDPA call each) so padding stays small; the query heads of one KV head play the
+query-length axis (GQA without repeating K/V). When the buffer would exceed its memory cap,
+each step gathers instead (`DecodeGroup`).
+
+Prefill chunks attend one SDPA call each (causal; chunks that continue a cached prefix gather
+their earlier context).
 """
 
 from __future__ import annotations
@@ -20,13 +27,52 @@ import torch
 import torch.nn.functional as F
 
 
+def _additive_mask(lens: list[int], length: int, device) -> torch.Tensor:
+    """[1, B, 1, length] float mask: 0 where position < len, -inf after (SDPA is faster with it)."""
+    keep = torch.arange(length).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    mask = torch.zeros(len(lens), length).masked_fill_(~keep, float("-inf"))
+    return mask.view(1, len(lens), 1, length).to(device)
+
+
+def _length_groups(lens: list[int], max_padding_ratio: float, min_group: int = 4) -> list[tuple[int, int]]:
+    """Cut rows (roughly sorted by length) into ranges whose padded size stays under the ratio."""
+    groups: list[tuple[int, int]] = []
+    start, total, longest = 0, 0, 0
+    for i, n in enumerate(lens):
+        size = i - start
+        new_longest = max(longest, n)
+        if size >= min_group and new_longest * (size + 1) > max_padding_ratio * (total + n):
+            groups.append((start, i))
+            start, total, new_longest = i, 0, n
+        total += n
+        longest = new_longest
+    if lens:
+        groups.append((start, len(lens)))
+    return groups
+
+
 @dataclass
 class DecodeGroup:
-    token_start: int  # rows [token_start, token_start + B) of the flat batch
+    """Gather path: decode rows [token_start, token_start + num_seqs) of the flat batch."""
+
+    token_start: int
     num_seqs: int
-    block_ids: torch.Tensor  # [B * nb] int64: each sequence's block table padded to nb blocks (pad: block 0)
-    context_len: int  # L = nb * block_size (padded)
-    mask: torch.Tensor | None  # [1, B, 1, L] bool (True = attend); None when no padding
+    block_ids: torch.Tensor  # [B * nb] each sequence's block table padded to nb blocks (pad: block 0)
+    context_len: int  # nb * block_size
+    mask: torch.Tensor | None  # [1, B, 1, L] additive; None when no padding
+
+
+@dataclass
+class BufferPlan:
+    """Buffer path for this step's decodes (see DecodeBuffer)."""
+
+    buffers: list[torch.Tensor]  # per layer [2, kvh, R, Lcap, d]
+    token_rows: torch.Tensor  # [B] buffer row of each decode token (decode tokens are batch rows 0..B-1)
+    token_pos: torch.Tensor  # [B] position of each new token in its row
+    num_rows: int
+    groups: list[tuple[int, int, int, torch.Tensor]]  # (row_start, row_end, L, additive mask [1, rows, 1, L])
+    rebuild_block_ids: torch.Tensor | None = None  # [R * nb] when the buffer is (re)filled this step
+    rebuild_len: int = 0  # nb * block_size
 
 
 @dataclass
@@ -42,48 +88,120 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    buffer_plan: BufferPlan | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     num_tokens: int = 0
+    num_decodes: int = 0
     block_size: int = 16
 
 
+class DecodeBuffer:
+    """Contiguous per-row K/V copy of the decoding sequences, kept across steps."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, device,
+                 max_bytes: int, max_len: int, headroom: int = 128, max_dead_fraction: float = 0.25):
+        self.num_layers, self.kvh, self.d, self.block_size = num_layers, num_kv_heads, head_dim, block_size
+        self.dtype, self.device = dtype, device
+        self.elt = torch.empty((), dtype=dtype).element_size()
+        self.max_bytes, self.max_len, self.headroom = max_bytes, max_len, headroom
+        self.max_dead_fraction = max_dead_fraction
+        self.buffers: list[torch.Tensor] = []
+        self.row_of: dict[int, int] = {}
+        self.row_len: list[int] = []
+        self.capacity_len = 0
+        self.num_rebuilds = 0
+
+    def reset(self) -> None:
+        self.row_of, self.row_len = {}, []
+
+    def plan(self, keys: list[int], lens: list[int], tables: list[list[int]], max_padding_ratio: float) -> BufferPlan | None:
+        """keys: a never-reused id per decoding sequence; lens: context length incl. the new token.
+        Returns None when the buffer would not fit its memory cap (the caller gathers instead)."""
+        reuse = bool(self.row_len) and all(
+            k in self.row_of and self.row_len[self.row_of[k]] == n - 1 and n <= self.capacity_len for k, n in zip(keys, lens)
+        )
+        if reuse and len(self.row_len) - len(keys) > self.max_dead_fraction * len(self.row_len):
+            reuse = False
+        if reuse:
+            live = set(keys)
+            for k in [k for k in self.row_of if k not in live]:
+                self.row_len[self.row_of.pop(k)] = 0  # finished / paused: a dead row until the next rebuild
+            rows = [self.row_of[k] for k in keys]
+            for r, n in zip(rows, lens):
+                self.row_len[r] = n
+            rebuild_ids, rebuild_len = None, 0
+        else:
+            bs = self.block_size
+            cap = min(-(-(max(lens) + self.headroom) // bs) * bs, -(-self.max_len // bs) * bs)
+            need = self.num_layers * 2 * self.kvh * len(keys) * cap * self.d * self.elt
+            if need > self.max_bytes:
+                self.reset()
+                return None
+            order = sorted(range(len(keys)), key=lambda i: lens[i])
+            self.row_of = {keys[i]: r for r, i in enumerate(order)}
+            self.row_len = [lens[i] for i in order]
+            rows = [self.row_of[k] for k in keys]
+            shape = (2, self.kvh, len(keys), cap, self.d)
+            if not self.buffers or tuple(self.buffers[0].shape) != shape:
+                self.buffers = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            self.capacity_len = cap
+            nb = -(-max(lens) // bs)
+            table = torch.zeros(len(keys), nb, dtype=torch.long)
+            for r, i in enumerate(order):
+                used = tables[i][: -(-lens[i] // bs)]
+                table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
+            rebuild_ids, rebuild_len = table.flatten().to(self.device), nb * bs
+            self.num_rebuilds += 1
+        mask_lens = [max(n, 1) for n in self.row_len]  # dead rows attend position 0 (output unused)
+        groups = []
+        for a, b in _length_groups(mask_lens, max_padding_ratio):
+            L = max(mask_lens[a:b])
+            groups.append((a, b, L, _additive_mask(mask_lens[a:b], L, self.device)))
+        return BufferPlan(
+            buffers=self.buffers,
+            token_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+            token_pos=torch.tensor([n - 1 for n in lens], dtype=torch.long, device=self.device),
+            num_rows=len(self.row_len),
+            groups=groups,
+            rebuild_block_ids=rebuild_ids,
+            rebuild_len=rebuild_len,
+        )
+
+
 def build_metadata(
+    decode_keys: list[int],
     decode_tables: list[list[int]],
     decode_lens: list[int],
     prefill_specs: list[tuple[int, int, list[int]]],
     slot_mapping: torch.Tensor,
     block_size: int,
     device: torch.device,
+    decode_buffer: DecodeBuffer | None = None,
     max_padding_ratio: float = 1.25,
 ) -> AttentionMetadata:
-    """decode_tables/decode_lens: block table and context length (incl. the new token) of each
-    decoding sequence; they occupy the first rows of the batch, sorted by context length.
+    """decode_*: per decoding sequence (the first rows of the batch, sorted by context length):
+    a unique key, its block table and context length (incl. the new token).
     prefill_specs: per prefill chunk, (context_len, num_tokens, block table).
     """
-    meta = AttentionMetadata(slot_mapping=slot_mapping.to(device), num_tokens=int(slot_mapping.numel()), block_size=block_size)
-    # Cut the (sorted) decodes into groups whose padding stays under max_padding_ratio.
-    groups: list[tuple[int, int]] = []  # (start, end)
-    start, total = 0, 0
-    for i, length in enumerate(decode_lens):
-        size = i - start
-        if size >= 4 and length * (size + 1) > max_padding_ratio * (total + length):
-            groups.append((start, i))
-            start, total = i, 0
-        total += length
-    if decode_lens:
-        groups.append((start, len(decode_lens)))
-    for a, b in groups:
-        lens = decode_lens[a:b]
-        nb = -(-max(lens) // block_size)
-        L = nb * block_size
-        table = torch.zeros(b - a, nb, dtype=torch.long)
-        for r, bt in enumerate(decode_tables[a:b]):
-            used = bt[: -(-lens[r] // block_size)]
-            table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
-        mask = None
-        if any(n != L for n in lens):
-            mask = (torch.arange(L).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).view(1, b - a, 1, L).to(device)
-        meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device), num_tokens=int(slot_mapping.numel()), num_decodes=len(decode_lens),
+        block_size=block_size,
+    )
+    if decode_lens and decode_buffer is not None:
+        meta.buffer_plan = decode_buffer.plan(decode_keys, decode_lens, decode_tables, max_padding_ratio)
+    elif decode_buffer is not None:
+        decode_buffer.reset()
+    if decode_lens and meta.buffer_plan is None:
+        for a, b in _length_groups(decode_lens, max_padding_ratio):
+            lens = decode_lens[a:b]
+            nb = -(-max(lens) // block_size)
+            L = nb * block_size
+            table = torch.zeros(b - a, nb, dtype=torch.long)
+            for r, bt in enumerate(decode_tables[a:b]):
+                used = bt[: -(-lens[r] // block_size)]
+                table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
+            mask = None if all(n == L for n in lens) else _additive_mask(lens, L, device)
+            meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
     start = len(decode_lens)
     for ctx, n, bt in prefill_specs:
         if ctx > 0:
@@ -107,6 +225,7 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, kv_heads, num_slots, d]
     meta: AttentionMetadata,
     scale: float,
+    layer_index: int,
 ) -> torch.Tensor:
     """Writes this step's K/V into the cache and returns the attention output [N, num_heads * d]."""
     n_tok, n_heads, d = q.shape
@@ -119,6 +238,27 @@ def paged_attention(
     # ... and as [2 * kvh, num_blocks, block_size * d]: one index_select gathers whole blocks of K and V.
     by_block = kv_cache.view(2 * kvh, -1, meta.block_size * d)
     out = torch.empty(n_tok, n_heads, d, dtype=q.dtype, device=q.device)
+
+    plan = meta.buffer_plan
+    if plan is not None:
+        nd = meta.num_decodes
+        buf = plan.buffers[layer_index]
+        R = plan.num_rows
+        if plan.rebuild_block_ids is not None:
+            L = plan.rebuild_len
+            buf[:, :, :, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
+        else:
+            new_kv = torch.stack((k[:nd], v[:nd])).transpose(1, 2)  # [2, kvh, B, d]
+            buf[:, :, plan.token_rows, plan.token_pos] = new_kv
+        q_rows = q.new_zeros(R, n_heads, d)
+        q_rows[plan.token_rows] = q[:nd]
+        q_rows = q_rows.view(R, kvh, group, d).transpose(0, 1)  # [kvh, R, group, d]
+        o_rows = torch.empty(kvh, R, group, d, dtype=q.dtype, device=q.device)
+        for a, b, L, mask in plan.groups:
+            o_rows[:, a:b] = F.scaled_dot_product_attention(
+                q_rows[:, a:b], buf[0, :, a:b, :L], buf[1, :, a:b, :L], attn_mask=mask, scale=scale
+            )
+        out[:nd] = o_rows.transpose(0, 1).reshape(R, n_heads, d)[plan.token_rows]
 
     for g in meta.decode_groups:
         b = g.num_seqs

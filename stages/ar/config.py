@@ -125,6 +125,9 @@ class EngineConfig:
     hf_config_key: str | None = None
     eos_token_ids: tuple[int, ...] | None = None  # None: read from generation_config.json / config.json
     show_progress: bool | None = None  # None: tqdm only for loads over 256 MB
+    # Contiguous copy of the decoding sequences' K/V kept across steps (saves a gather per layer
+    # per step); 0 disables it. Above the cap, decode attention gathers from the paged cache.
+    decode_buffer_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):

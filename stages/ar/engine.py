@@ -14,7 +14,7 @@ import time
 import torch
 
 from omnistage.errors import InvalidRequestError
-from omnistage.stages.ar.attention import build_metadata
+from omnistage.stages.ar.attention import DecodeBuffer, build_metadata
 from omnistage.stages.ar.config import EngineConfig, SamplingParams, load_model_config
 from omnistage.stages.ar.kv_cache import BlockManager, KVCache
 from omnistage.stages.ar.loader import load_model
@@ -53,6 +53,13 @@ class LLMEngine:
         self.max_model_len = min(want_len, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, config.dtype, self.device)
+        self.decode_buffer = None
+        if config.decode_buffer_bytes > 0:
+            self.decode_buffer = DecodeBuffer(
+                mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, config.dtype, self.device,
+                max_bytes=config.decode_buffer_bytes, max_len=self.max_model_len,
+            )
+        self._seq_ids = itertools.count()
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         eos = config.eos_token_ids if config.eos_token_ids is not None else mc.eos_token_ids
         self.sampler = Sampler(tuple(eos))
@@ -136,6 +143,7 @@ class LLMEngine:
                     num_prompt_tokens=num_prompt,
                     sampling=sampling,
                     arrival=arrival,
+                    seq_id=next(self._seq_ids),
                     priority=priority,
                     cache_salt=cache_salt,
                     prompt_embeds=embeds,
@@ -214,6 +222,7 @@ class LLMEngine:
         use_mrope = self.model_config.uses_mrope
         row = 0
         dec_tables, dec_lens = [], []
+        dec_keys = [seq.seq_id for seq, _ in decodes]
         if decodes:
             dec_pos = []
             dec_slots = []
@@ -248,7 +257,9 @@ class LLMEngine:
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts, dim=-1).to(dev)
-        meta = build_metadata(dec_tables, dec_lens, prefill_specs, torch.cat(slot_parts), bs, dev)
+        meta = build_metadata(
+            dec_keys, dec_tables, dec_lens, prefill_specs, torch.cat(slot_parts), bs, dev, self.decode_buffer
+        )
         embeds = torch.cat(embed_vals) if embed_vals else None
         rows_t = torch.cat(embed_rows).to(dev) if embed_rows else None
         hidden, captured = self.model(

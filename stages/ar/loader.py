@@ -65,4 +65,5 @@ def load_model(
     if missing:
         raise ValueError(f"checkpoint {model_path} (prefix {weight_prefix!r}) lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
     model.eval()
+    model.finalize()
     return model

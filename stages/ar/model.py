@@ -28,6 +28,29 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+class Linear(nn.Module):
+    """nn.Linear with the HF weight layout [out, in] for loading; `finalize()` swaps in a
+    pre-transposed [in, out] copy, which CPU GEMMs run ~15% faster on."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight_t: torch.Tensor | None = None
+
+    def finalize(self) -> None:
+        if self.weight.device.type == "cpu":
+            self.weight_t = self.weight.detach().t().contiguous()
+            self.weight = None  # type: ignore[assignment]  (only the transposed copy is kept)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for 1-D positions [N] or M-RoPE positions [3, N], looked up in a cached table."""
 
@@ -77,13 +100,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -100,7 +124,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_index)
         return self.o_proj(o)
 
 
@@ -108,8 +132,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -117,9 +141,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_index)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -136,10 +160,23 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+        self._lm_head_t: torch.Tensor | None = None
+
+    def finalize(self) -> None:
+        """Called once the weights are loaded: switch linears to their inference layout."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.finalize()
+        if self.embed_tokens.weight.device.type == "cpu":
+            head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self._lm_head_t = head.detach().t().contiguous()
+            if self.lm_head is not None:
+                self.lm_head = None  # only the transposed copy is kept
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -174,6 +211,8 @@ class DecoderModel(nn.Module):
         return x, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._lm_head_t is not None:
+            return torch.mm(hidden, self._lm_head_t).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     # ---- weight loading by Hugging Face parameter name ----

@@ -51,6 +51,7 @@ class Sequence:
     num_prompt_tokens: int
     sampling: SamplingParams
     arrival: int  # monotonically increasing admission counter (FCFS order)
+    seq_id: int = -1  # unique for the engine's lifetime (never reused, unlike id())
     priority: int = 0
     cache_salt: str | None = None
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
