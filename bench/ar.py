@@ -33,6 +33,10 @@ import time
 from pathlib import Path
 
 SYSTEMS = ("omnistage", "hf_serial", "hf_static", "hf_generate_batch")
+# Every system runs with passive OpenMP waiting: on a shared, oversubscribed machine torch's
+# default spin-waiting makes 2-thread runs 10x slower (measured: 2.5 vs 21 tok/s for
+# generate() batch 1), which would measure the neighbours, not the systems.
+OMP_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 
@@ -48,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems to run")
     p.add_argument("--requests", type=int, help="workload size (default 64; --quick 8)")
+    p.add_argument("--serial-requests", type=int,
+                   help="time hf_serial on the first K requests only (its throughput does not "
+                        "depend on the batch; the JSON says so)")
     p.add_argument("--budget", type=int, default=512,
                    help="omnistage max_num_batched_tokens (per-step token budget)")
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache part")
@@ -105,6 +112,7 @@ def _make_job(args) -> tuple[dict, dict]:
         "budget": args.budget, "engine_direct": args.engine_direct,
         "prompts": workload.prompts, "output_lens": workload.output_lens,
         "check_prompts": workload.prompts[:n_check], "check_output_lens": check_lens,
+        "serial_requests": args.serial_requests,
         "hf_cb_overrides": {"num_blocks": 16, "max_batch_tokens": 256} if quick else {},
     }
     prefix_desc = None
@@ -132,14 +140,28 @@ def _make_job(args) -> tuple[dict, dict]:
 
 
 def _run_subprocess(system: str, job_path: Path, out_path: Path, timeout: float) -> dict:
+    """Run one system in its own process; its progress lines pass through to our stderr."""
     cmd = [sys.executable, "-m", "omnistage.bench.ar", "--worker", system,
            "--job", str(job_path), "--out", str(out_path)]
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false",
+           **OMP_ENV}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+    tail: list[str] = []
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            tail = (tail + [line])[-60:]
+            if line.startswith("bench ar:"):
+                print(line, end="", file=sys.stderr, flush=True)
+            if time.perf_counter() - t0 > timeout:
+                proc.kill()
+        proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
     if proc.returncode != 0 or not out_path.exists():
-        tail = (proc.stderr or proc.stdout or "")[-3000:]
-        return {"error": f"exit {proc.returncode}: {tail}"}
+        return {"error": f"exit {proc.returncode}: {''.join(tail)[-3000:]}"}
     result = json.loads(out_path.read_text())
     result["process_wall_s"] = time.perf_counter() - t0
     return result
@@ -149,6 +171,7 @@ def _orchestrate(args, argv: list[str]) -> int:
     from omnistage.bench.ar_common import aggregate, median_min_max, write_json
 
     started = time.time()
+    load_start = os.getloadavg()
     job, meta = _make_job(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in systems:
@@ -177,7 +200,8 @@ def _orchestrate(args, argv: list[str]) -> int:
         "bench": "ar", "quick": args.quick,
         "command": " ".join(["omnistage", "bench", "ar", *argv]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "device": args.device, "threads": args.threads},
+                    "device": args.device, "threads": args.threads, "env": OMP_ENV,
+                    "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         **meta, "systems": {}, "ratios": {}, "checks": {},
     }
     for system, res in results.items():
