@@ -66,7 +66,7 @@ class DecodeGroup:
 class BufferPlan:
     """Buffer path for this step's decodes (see DecodeBuffer)."""
 
-    buffers: list[torch.Tensor]  # per layer [2, kvh, R, Lcap, d]
+    buffers: list[torch.Tensor]  # per layer [2, kvh, rows_cap >= R, len_cap, d]
     token_rows: torch.Tensor  # [B] buffer row of each decode token (decode tokens are batch rows 0..B-1)
     token_pos: torch.Tensor  # [B] position of each new token in its row
     num_rows: int
@@ -133,18 +133,25 @@ class DecodeBuffer:
         else:
             bs = self.block_size
             cap = min(-(-(max(lens) + self.headroom) // bs) * bs, -(-self.max_len // bs) * bs)
-            need = self.num_layers * 2 * self.kvh * len(keys) * cap * self.d * self.elt
+            have_rows, have_len = (self.buffers[0].shape[2], self.buffers[0].shape[3]) if self.buffers else (0, 0)
+            # Grow-only allocation: a fresh one is page-faulted in at first touch, which costs more than the gather.
+            rows_cap, len_cap = max(have_rows, len(keys)), max(have_len, cap)
+            need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
             if need > self.max_bytes:
-                self.reset()
-                return None
+                rows_cap, len_cap = len(keys), cap
+                need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
+                if need > self.max_bytes:
+                    self.buffers = []
+                    self.reset()
+                    return None
             order = sorted(range(len(keys)), key=lambda i: lens[i])
             self.row_of = {keys[i]: r for r, i in enumerate(order)}
             self.row_len = [lens[i] for i in order]
             rows = [self.row_of[k] for k in keys]
-            shape = (2, self.kvh, len(keys), cap, self.d)
-            if not self.buffers or tuple(self.buffers[0].shape) != shape:
+            if (rows_cap, len_cap) != (have_rows, have_len):
+                shape = (2, self.kvh, rows_cap, len_cap, self.d)
                 self.buffers = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            self.capacity_len = cap
+            self.capacity_len = len_cap
             nb = -(-max(lens) // bs)
             table = torch.zeros(len(keys), nb, dtype=torch.long)
             for r, i in enumerate(order):
@@ -246,7 +253,7 @@ def paged_attention(
         R = plan.num_rows
         if plan.rebuild_block_ids is not None:
             L = plan.rebuild_len
-            buf[:, :, :, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
+            buf[:, :, :R, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
         else:
             new_kv = torch.stack((k[:nd], v[:nd])).transpose(1, 2)  # [2, kvh, B, d]
             buf[:, :, plan.token_rows, plan.token_pos] = new_kv

@@ -31,8 +31,12 @@ def make_prompts(seed: int) -> list[list[int]]:
     return sorted(prompts, key=len, reverse=True)
 
 
-@pytest.mark.parametrize("ckpt", ["qwen2_gqa_tied", "qwen2_untied", "qwen3_qknorm"])
-def test_greedy_matches_transformers(ckpt, request):
+# decode_buffer_bytes: default (persistent decode buffer), 0 (gather from the paged cache every
+# step), and a cap small enough that the engine switches between the two paths mid-run.
+@pytest.mark.parametrize(
+    "ckpt,decode_buffer_bytes", [("qwen2_gqa_tied", 1 << 30), ("qwen2_untied", 0), ("qwen3_qknorm", 600_000)]
+)
+def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, request):
     path, hf_model = request.getfixturevalue(ckpt)
     prompts = make_prompts(seed=len(ckpt))
     refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
@@ -42,7 +46,10 @@ def test_greedy_matches_transformers(ckpt, request):
     assert len(distinct) >= 0.5 * sum(len(t) for t in ref_tokens), f"reference output not diverse: {ref_tokens}"
     assert all(len(set(t)) >= 4 for t in ref_tokens)
 
-    engine = LLMEngine(EngineConfig(model_path=path, max_num_batched_tokens=96, max_num_seqs=16, block_size=16))
+    engine = LLMEngine(
+        EngineConfig(model_path=path, max_num_batched_tokens=96, max_num_seqs=16, block_size=16,
+                     decode_buffer_bytes=decode_buffer_bytes)
+    )
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3))
     results = run_to_completion(engine)
@@ -60,6 +67,8 @@ def test_greedy_matches_transformers(ckpt, request):
     assert stats["prefix_cache_query_tokens"] == sum(len(p) for p in prompts)
     # Chunked prefill really happened: the longest prompt needs several steps at 96 tokens each.
     assert stats["steps"] >= sum(len(p) for p in prompts) // 96
+    if decode_buffer_bytes:
+        assert engine.decode_buffer.num_rebuilds > 0
     assert_pool_full(engine)
 
 
