@@ -40,7 +40,7 @@ def diamond():
     from omnistage.runtime.pipeline import Pipeline
 
     # a wider batching window on `dense` makes the poisoned-batch test deterministic
-    p = Pipeline.from_yaml("tiny-diamond", ["stages.dense.batching.max_wait_ms=40"], ready_timeout=120)
+    p = Pipeline.from_yaml("tiny-diamond", ["stages.dense.batching.max_wait_ms=60"], ready_timeout=120)
     yield p
     p.close(drain_timeout=5)
 

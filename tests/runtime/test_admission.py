@@ -60,13 +60,16 @@ def test_full_edge_holds_back_its_producer(sleepy):
     """pre -> sleeper has max_inflight 1: while the sleeper works, `pre` admits nothing more."""
     done = []
     threads = [
-        threading.Thread(target=lambda: done.append(sleepy.run({"x": torch.ones(2)}, {"sleeper": {"delay": 0.4}})))
+        threading.Thread(target=lambda: done.append(sleepy.run({"x": torch.ones(2)}, {"sleeper": {"delay": 0.6}})))
         for _ in range(3)
     ]
     for t in threads:
         t.start()
-    time.sleep(0.25)
+    deadline = time.monotonic() + 1.0
     stats = sleepy.stage_stats()
+    while stats["pre"]["queue_depth"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        stats = sleepy.stage_stats()
     for t in threads:
         t.join(30)
     assert stats["sleeper"]["inflight"] + stats["sleeper"]["queue_depth"] == 1, stats["sleeper"]
