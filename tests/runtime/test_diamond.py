@@ -124,6 +124,40 @@ def test_sigkill_worker_fails_only_its_request_then_recovers(diamond):
     assert_matches(diamond.run({"x": x2}, timeout=30), x2)
 
 
+def test_dead_replica_fails_only_the_requests_it_held(diamond):
+    """Two requests wait in different `dense` replicas; killing one replica fails only its own."""
+    xs = [torch.randn(16, 8), torch.randn(16, 8)]
+    results: list = [None, None]
+
+    def one(i):
+        try:
+            results[i] = diamond.run({"x": xs[i]}, params={"producer": {"delay": 0.4}}, timeout=60)
+        except Exception as exc:  # noqa: BLE001
+            results[i] = exc
+
+    def dense_waiting():
+        return [r.get("queue_depth", 0) for r in diamond.replica_stats()["dense"]]
+
+    threads = []
+    for i in range(2):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while dense_waiting()[i] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert dense_waiting() == [1, 1]  # least-loaded routing spread them over both replicas
+    victim = diamond.worker_pids()["dense"][0]
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert isinstance(results[0], WorkerDiedError) and "dense" in str(results[0]), results[0]
+    assert isinstance(results[1], dict), results[1]
+    assert_matches(results[1], xs[1])
+    diamond.wait_ready(60)
+    x = torch.randn(6, 8)
+    assert_matches(diamond.run({"x": x}, timeout=30), x)
+
+
 def test_poisoned_request_in_a_batch_fails_alone(diamond):
     before = [r["engine"].get("batch_size_max", 0) for r in diamond.replica_stats()["dense"]]
     xs = [torch.randn(4, 8) for _ in range(8)]
