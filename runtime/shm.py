@@ -70,24 +70,26 @@ class InlineTensor:
 
 @dataclass(frozen=True)
 class CudaTensorRef:
-    """A CUDA tensor pickled by its producer with torch's reductions (CUDA IPC handle)."""
+    """A CUDA tensor pickled by its producer with torch's reductions (CUDA IPC handle), once
+    per reader slot so each reader's open is reference-counted on its own."""
 
-    blob: bytes
+    blobs: tuple[bytes, ...]
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "CudaTensorRef":
+    def of(cls, t: torch.Tensor, nreaders: int) -> "CudaTensorRef":
         from multiprocessing.reduction import ForkingPickler
 
         import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions
 
-        return cls(bytes(ForkingPickler.dumps(t.detach())))
+        t = t.detach()
+        return cls(tuple(bytes(ForkingPickler.dumps(t)) for _ in range(max(1, nreaders))))
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self, slot: int = 0) -> torch.Tensor:
         import pickle
 
         import torch.multiprocessing  # noqa: F401
 
-        return pickle.loads(self.blob)
+        return pickle.loads(self.blobs[slot])
 
 
 class _Segment:
@@ -219,7 +221,7 @@ def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
     """Replace large CPU tensors (at any depth of dicts/lists/tuples) by ShmRefs."""
     if isinstance(value, torch.Tensor):
         if value.device.type == "cuda":
-            return CudaTensorRef.of(value)
+            return CudaTensorRef.of(value, nreaders)
         if value.device.type != "cpu":
             value = value.cpu()
         if value.numel() * value.element_size() > INLINE_MAX_BYTES:
@@ -237,8 +239,10 @@ def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
 def decode(value: Any, reader: SegmentReader, slot: int, copy: bool = False) -> Any:
     if isinstance(value, ShmRef):
         return reader.tensor(value, slot, copy=copy)
-    if isinstance(value, (InlineTensor, CudaTensorRef)):
+    if isinstance(value, InlineTensor):
         return value.tensor()
+    if isinstance(value, CudaTensorRef):
+        return value.tensor(slot)
     if isinstance(value, dict):
         return {k: decode(v, reader, slot, copy) for k, v in value.items()}
     if isinstance(value, list):
