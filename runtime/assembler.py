@@ -4,7 +4,8 @@
   (chunks of a multi-chunk producer are concatenated: tensors along dim 0, str joined, lists
   extended);
 - streaming ports are re-chunked to `stream.chunk` items along dim 0 with `left_context` items
-  of overlap and `feed`-ed; chunks arriving before the request can be added are buffered and
+  of overlap and `feed`-ed (tensors and lists; text, bytes and dicts pass through chunk by
+  chunk as produced); chunks arriving before the request can be added are buffered and
   fed right after the add. When a streaming port closes with no remainder, an empty chunk
   (`data[:0]`) is fed with last=True.
 """
@@ -23,9 +24,11 @@ from omnistage.runtime.messages import RequestMeta
 
 
 def _seq_len(x: Any) -> int | None:
+    """Items along dim 0 of a re-chunkable value (tensors with a dim, lists, tuples); None for
+    values passed through as they come (text deltas, bytes, dicts, scalars)."""
     if isinstance(x, torch.Tensor):
         return x.shape[0] if x.dim() > 0 else None
-    if isinstance(x, (str, bytes, list, tuple)):
+    if isinstance(x, (list, tuple)):
         return len(x)
     return None
 

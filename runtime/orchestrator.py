@@ -51,6 +51,7 @@ from omnistage.runtime.messages import (
 )
 from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, release_all
 from omnistage.runtime.worker import WorkerConfig, port_out_edges, worker_main
+from omnistage.stages.dynamic import combine_chunks
 
 log = logging.getLogger("omnistage.runtime")
 
@@ -161,6 +162,7 @@ class _Request:
     replicas: dict[str, Replica] = field(default_factory=dict)
     open_stages: set = field(default_factory=set)
     hub_permits: set = field(default_factory=set)  # edge indices whose permit the hub must return
+    out_buffers: dict = field(default_factory=dict)  # non-streaming output edge -> chunks so far
 
 
 class Orchestrator:
@@ -402,9 +404,18 @@ class Orchestrator:
     def _deliver(self, req: _Request, src_stage: str, idx: int, slot: int, payload: Any, has_data: bool, last: bool) -> None:
         e = self.spec.edges[idx]
         if e.dst.stage == PIPELINE_OUTPUTS:
-            if has_data or last:
-                data = decode(payload, self._reader, slot) if has_data else None
-                req.sink(OutputChunk(req.rid, e.dst.port, data, last, None, src_stage))
+            data = decode(payload, self._reader, slot) if has_data else None
+            if e.stream is not None:  # each chunk to the caller as it is produced
+                if has_data or last:
+                    req.sink(OutputChunk(req.rid, e.dst.port, data, last, None, src_stage))
+                return
+            # a non-streaming output edge delivers the concatenation once the producer finished
+            buf = req.out_buffers.setdefault(idx, [])
+            if has_data:
+                buf.append(data)
+            if last:
+                del req.out_buffers[idx]
+                req.sink(OutputChunk(req.rid, e.dst.port, combine_chunks(buf), True, None, src_stage))
             return
         if req.rid not in self._requests:
             return  # failed while this emission was being routed

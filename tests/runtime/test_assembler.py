@@ -33,10 +33,12 @@ def test_rechunker_matches_reference_for_any_arrival_pattern():
                 assert torch.equal(g, w), (chunk, left, pieces)
 
 
-def test_rechunker_strings_and_passthrough():
-    rc = Rechunker(StreamSpec(chunk=2, left_context=0))
-    got = rc.push("hello", True, False) + rc.push(None, False, True)
-    assert [c for c, _ in got] == ["he", "ll", "o"]
+def test_rechunker_lists_and_passthrough():
+    rc = Rechunker(StreamSpec(chunk=2, left_context=1))
+    got = rc.push([1, 2, 3], True, False) + rc.push([4], True, False) + rc.push(None, False, True)
+    assert got == [([1, 2], False), ([2, 3, 4], False), ([], True)]
+    rc = Rechunker(StreamSpec(chunk=2))  # text deltas go through as produced
+    assert rc.push("hello", True, False) + rc.push(" world", True, True) == [("hello", False), (" world", True)]
     rc = Rechunker(StreamSpec(chunk=2))
     assert rc.push({"k": 1}, True, True) == [({"k": 1}, True)]
 

@@ -59,6 +59,10 @@ def test_downstream_gets_first_chunk_before_upstream_finishes(diamond):
     producer_done = next(t for t, stage, port, final in events if port == "h" and final)
     # the producer spends >= 3 x 0.25 s after its first chunk; summary answers well before that
     assert first_summary < producer_done - 0.3
+    # streaming output edges pass chunks as produced; a non-streaming one delivers one
+    # concatenated chunk when its producer finishes
+    assert len([e for e in events if e[2] == "h"]) >= 4
+    assert [(stage, final) for _, stage, port, final in events if port == "y"] == [("join", True)]
 
 
 def _stage_view(p):
