@@ -505,6 +505,7 @@ class Orchestrator:
             pass
         was_ready = r.ready
         r.ready = False
+        r.last_stats = {}  # the dead process's figures no longer describe anything
         try:
             r.conn.close()
         except OSError:
