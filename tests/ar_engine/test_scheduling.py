@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.ar import EngineConfig, LLMEngine, SamplingParams
@@ -154,4 +155,42 @@ def test_stop_tokens_and_eos(qwen2_gqa_tied):
     assert res[("ignore", 0)]["tokens"] == ref and res[("ignore", 0)]["finish_reason"] == "length"
     assert len(res[("min", 0)]["tokens"]) >= 8
     assert ref[2] not in res[("min", 0)]["tokens"][:8] and ref[4] not in res[("min", 0)]["tokens"][:8]
+    assert_pool_full(engine)
+
+
+def test_prefix_cache_lru_eviction(qwen2_gqa_tied):
+    path, hf_model = qwen2_gqa_tied
+    prompts = _prompts(6, 64, 64, seed=15)  # 4 full blocks each
+    engine = LLMEngine(EngineConfig(model_path=path, num_kv_blocks=12, block_size=16))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(rid, prompt):
+        engine.add_request(rid, prompt, sp)
+        res = run_to_completion(engine)[(rid, 0)]
+        assert res["tokens"] == hf_greedy(hf_model, prompt, 4)[0]
+        return res["outputs"][-1].num_cached_tokens
+
+    assert run("a", prompts[0]) == 0
+    assert run("a2", prompts[0]) == 48  # 3 of its 4 blocks (the last prompt token is always computed)
+    for i in range(1, 4):  # fill the 12-block pool with other prefixes: "a" is least recently used
+        assert run(f"p{i}", prompts[i]) == 0
+    assert run("p3again", prompts[3]) == 48  # recently used: still cached
+    assert run("a3", prompts[0]) == 0  # evicted
+    assert engine.stats()["kv_blocks_cached"] <= engine.num_total_blocks
+    assert_pool_full(engine)
+
+
+def test_pool_sizing_and_context_cap(qwen2_gqa_tied):
+    path, _ = qwen2_gqa_tied
+    from omnistage.stages.ar.kv_cache import KVCache
+
+    per_block = KVCache.bytes_per_block(2, 16, 2, 16, torch.float32)  # layers, block, kv heads, head_dim
+    engine = LLMEngine(EngineConfig(model_path=path, kv_cache_bytes=per_block * 10 + 5))
+    assert engine.num_total_blocks == 10
+    assert engine.max_model_len == 160  # never more than the pool holds: a lone sequence always fits
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("x", list(range(160)), SamplingParams())
+    engine.add_request("y", list(range(150)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    res = run_to_completion(engine)
+    assert len(res[("y", 0)]["tokens"]) == 10 and res[("y", 0)]["finish_reason"] == "length"
     assert_pool_full(engine)
