@@ -27,4 +27,4 @@ def test_missing_device_is_a_clear_start_error():
     spec = load_pipeline_text(YAML, "bad-device.yaml")
     with pytest.raises(StageError, match=r"cuda:63 is not available"):
         Pipeline.from_spec(spec, ready_timeout=60)
-    assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:bad-device")]
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:bad-device:")]

@@ -26,5 +26,5 @@ def test_close_leaves_no_process_or_shared_memory(diamond, sleepy):
         p.close(drain_timeout=5)
         assert not p.ready
     assert not [pid for pid in pids if _alive(pid)]
-    assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:")]
+    assert not [c for c in multiprocessing.active_children() if c.pid in pids]
     assert not [f for f in os.listdir("/dev/shm") if any(f.startswith(pre) for pre in prefixes)]
