@@ -82,6 +82,7 @@ class PrefillChunk:
     context_len: int  # tokens before this chunk already in the cache
     block_ids: torch.Tensor | None  # [nb] the sequence's blocks covering context + chunk, when context_len > 0
     mask: torch.Tensor | None  # [num_tokens, nb * block_size] bool when context_len > 0
+    needs_output: bool = True  # its last row's final hidden state is needed (the prompt completes)
 
 
 @dataclass
@@ -93,6 +94,9 @@ class AttentionMetadata:
     num_tokens: int = 0
     num_decodes: int = 0
     block_size: int = 16
+    # Rows whose final hidden state is needed: every decode row, then the last row of each
+    # prefill chunk with needs_output. The last layer computes attention/MLP for these only.
+    out_rows: torch.Tensor | None = None
 
 
 class DecodeBuffer:
@@ -184,11 +188,14 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     decode_buffer: DecodeBuffer | None = None,
+    prefill_needs_output: list[bool] | None = None,
     max_padding_ratio: float = 1.25,
 ) -> AttentionMetadata:
     """decode_*: per decoding sequence (the first rows of the batch, sorted by context length):
     a unique key, its block table and context length (incl. the new token).
     prefill_specs: per prefill chunk, (context_len, num_tokens, block table).
+    prefill_needs_output: per prefill chunk, whether its last row's final hidden state is needed
+    (default: all).
     """
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device), num_tokens=int(slot_mapping.numel()), num_decodes=len(decode_lens),
@@ -210,7 +217,11 @@ def build_metadata(
             mask = None if all(n == L for n in lens) else _additive_mask(lens, L, device)
             meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
     start = len(decode_lens)
-    for ctx, n, bt in prefill_specs:
+    needs = prefill_needs_output if prefill_needs_output is not None else [True] * len(prefill_specs)
+    out_rows = list(range(len(decode_lens)))
+    for (ctx, n, bt), need in zip(prefill_specs, needs):
+        if need:
+            out_rows.append(start + n - 1)
         if ctx > 0:
             total = ctx + n
             nb = -(-total // block_size)
@@ -220,8 +231,10 @@ def build_metadata(
             chunk = PrefillChunk(start, n, ctx, ids, (k_pos <= q_pos).to(device))
         else:
             chunk = PrefillChunk(start, n, 0, None, None)
+        chunk.needs_output = need
         meta.prefills.append(chunk)
         start += n
+    meta.out_rows = torch.tensor(out_rows, dtype=torch.long, device=device)
     return meta
 
 
@@ -233,8 +246,11 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     layer_index: int,
+    out_only: bool = False,
 ) -> torch.Tensor:
-    """Writes this step's K/V into the cache and returns the attention output [N, num_heads * d]."""
+    """Writes this step's K/V into the cache and returns the attention output [N, num_heads * d].
+
+    out_only: q holds only the rows of meta.out_rows (in that order) and so does the output."""
     n_tok, n_heads, d = q.shape
     kvh = k.shape[1]
     group = n_heads // kvh
@@ -267,6 +283,23 @@ def paged_attention(
             )
         out[:nd] = o_rows.transpose(0, 1).reshape(R, n_heads, d)[plan.token_rows]
 
+    if out_only:
+        j = meta.num_decodes
+        for p in meta.prefills:
+            if not p.needs_output:
+                continue
+            rows = slice(p.token_start, p.token_start + p.num_tokens)
+            q_last = q[j : j + 1].transpose(0, 1).unsqueeze(0)  # [1, H, 1, d]: sees the whole chunk
+            if p.context_len == 0:
+                kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+            else:
+                total = p.context_len + p.num_tokens
+                kv = torch.index_select(by_block, 1, p.block_ids).view(2, 1, kvh, -1, d)[:, :, :, :total]
+                kp, vp = kv[0], kv[1]
+            o = F.scaled_dot_product_attention(q_last, kp, vp, scale=scale, enable_gqa=True)
+            out[j] = o[0, :, 0]
+            j += 1
+
     for g in meta.decode_groups:
         b = g.num_seqs
         rows = slice(g.token_start, g.token_start + b)
@@ -276,7 +309,7 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale)
         out[rows] = o.transpose(0, 1).reshape(b, n_heads, d)
 
-    for p in meta.prefills:
+    for p in meta.prefills if not out_only else ():
         rows = slice(p.token_start, p.token_start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
         if p.context_len == 0:

@@ -257,14 +257,19 @@ class LLMEngine:
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         positions = torch.cat(pos_parts, dim=-1).to(dev)
+        needs_output = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in prefills]
         meta = build_metadata(
-            dec_keys, dec_tables, dec_lens, prefill_specs, torch.cat(slot_parts), bs, dev, self.decode_buffer
+            dec_keys, dec_tables, dec_lens, prefill_specs, torch.cat(slot_parts), bs, dev, self.decode_buffer,
+            prefill_needs_output=needs_output,
         )
+        outputs_only = self.num_layers not in self.capture_layers
         embeds = torch.cat(embed_vals) if embed_vals else None
         rows_t = torch.cat(embed_rows).to(dev) if embed_rows else None
         hidden, captured = self.model(
-            ids_t, positions, self.kv_cache.layers, meta, embeds, rows_t, self.capture_layers
+            ids_t, positions, self.kv_cache.layers, meta, embeds, rows_t, self.capture_layers, outputs_only
         )
+        # Row of `hidden` holding flat batch row r.
+        hidden_row = {r: i for i, r in enumerate(meta.out_rows.tolist())} if outputs_only else None
 
         # Rows whose sequence reaches its last known token produce logits and a new token.
         sample_seqs: list[Sequence] = []
@@ -288,6 +293,8 @@ class LLMEngine:
 
         new_tokens: dict[int, tuple[int, dict | None]] = {}
         if sample_seqs:
+            if hidden_row is not None:
+                sample_rows = [hidden_row[r] for r in sample_rows]
             idx = torch.tensor(sample_rows, device=dev)
             logits = self.model.compute_logits(hidden[idx]).cpu()
             result = self.sampler(logits, sample_seqs)

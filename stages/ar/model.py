@@ -43,6 +43,14 @@ class Linear(nn.Module):
             self.weight_t = self.weight.detach().t().contiguous()
             self.weight = None  # type: ignore[assignment]  (only the transposed copy is kept)
 
+    def forward_cols(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Output features [start, end) only."""
+        bias = None if self.bias is None else self.bias[start:end]
+        if self.weight_t is None:
+            return F.linear(x, self.weight[start:end], bias)
+        w = self.weight_t[:, start:end]
+        return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
@@ -112,19 +120,26 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, out_rows: torch.Tensor | None = None):
+        """out_rows: compute queries (and return outputs) for these rows only; K/V for all rows."""
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if out_rows is None:
+            qkv = self.qkv_proj(x)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        else:
+            q = self.qkv_proj.forward_cols(x[out_rows], 0, self.q_size)
+            k, v = self.qkv_proj.forward_cols(x, self.q_size, self.q_size + 2 * self.kv_size).split(self.kv_size, dim=-1)
+            cos_q, sin_q = cos[out_rows], sin[out_rows]
+        nq = q.shape[0]
+        q = q.reshape(nq, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
+        q = apply_rotary(q, cos, sin) if out_rows is None else apply_rotary(q, cos_q, sin_q)
         k = apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_index)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_index, out_only=out_rows is not None)
         return self.o_proj(o)
 
 
@@ -148,8 +163,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, kv_cache, meta, out_rows: torch.Tensor | None = None):
+        """out_rows: only these rows leave the layer (the rest only write their K/V)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, out_rows)
+        x = (x if out_rows is None else x[out_rows]) + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,8 +208,14 @@ class DecoderModel(nn.Module):
         embeds: torch.Tensor | None = None,  # [M, hidden] rows replacing token embeddings
         embed_rows: torch.Tensor | None = None,  # [M] which rows of the batch they replace
         capture_layers: tuple[int, ...] = (),
+        outputs_only: bool = False,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Returns (final normed hidden states [N, hidden], {hidden-state index: [N, hidden]})."""
+        """Returns (final normed hidden states, {hidden-state index: [N, hidden]}).
+
+        outputs_only: the final hidden states are needed only for meta.out_rows (decode rows and
+        the last row of each prompt-completing chunk); the last layer then runs its queries,
+        output projection and MLP on those rows alone and the result has one row per out row.
+        Not allowed when the final layer's hidden states are captured."""
         x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embed_rows] = embeds.to(x.dtype)
@@ -201,8 +224,11 @@ class DecoderModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         if 0 in capture_layers:
             captured[0] = x
+        if outputs_only and n_layers in capture_layers:
+            raise ValueError("outputs_only cannot capture the final hidden states")
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_caches[i], meta)
+            last = outputs_only and i == n_layers - 1
+            x = layer(x, cos, sin, kv_caches[i], meta, meta.out_rows if last else None)
             if i + 1 in capture_layers and i + 1 != n_layers:
                 captured[i + 1] = x
         x = self.norm(x)
