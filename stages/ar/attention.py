@@ -154,7 +154,9 @@ class DecodeBuffer:
             rows = [self.row_of[k] for k in keys]
             if (rows_cap, len_cap) != (have_rows, have_len):
                 shape = (2, self.kvh, rows_cap, len_cap, self.d)
-                self.buffers = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+                # Zeros, not empty: masked positions still enter SDPA's P @ V (0 * NaN = NaN), so
+                # every slot must always hold a finite value.
+                self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             self.capacity_len = len_cap
             nb = -(-max(lens) // bs)
             table = torch.zeros(len(keys), nb, dtype=torch.long)

@@ -79,8 +79,10 @@ class BlockManager:
         if not self.enable_prefix_caching or not seq.prompt_ids_known:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks:
+            return
         hashes = self._hashes_for(seq, num_full)
-        for i in range(num_full):
+        for i in range(seq.num_registered_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:
                 continue
@@ -89,6 +91,7 @@ class BlockManager:
                 continue  # same content already cached in another block; this one stays private
             block.block_hash = h
             self.hash_to_block[h] = block.block_id
+        seq.num_registered_blocks = num_full
 
     # ---- allocation ----
     def _take_free_block(self) -> int:
@@ -133,6 +136,7 @@ class BlockManager:
                 else:
                     self.free_queue[block_id] = None
         seq.block_table = []
+        seq.num_registered_blocks = 0
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Share parent's full blocks with child; give child a private copy slot for the partial

@@ -62,6 +62,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of this sequence's full blocks
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not admitted yet)
     finish_reason: str | None = None
     num_preemptions: int = 0
