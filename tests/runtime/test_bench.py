@@ -15,3 +15,4 @@ def test_bench_runtime_quick(tmp_path):
         assert len(spread["runs"]) >= 3 and spread["min"] <= result[key] <= spread["max"]
     assert result["hop_us_p50"] <= result["hop_us_p99"]
     assert result["reference"]["pipe_hop_us_p50"]["median"] > 0
+    assert result["reference"]["producer_copy_and_sum_gbps"]["median"] > 0
