@@ -46,6 +46,13 @@ class Shutdown:
     pass
 
 
+@dataclass(slots=True)
+class PermitFreed:
+    """An in-flight permit of one of the worker's out-edges was returned: retry admission."""
+
+    edge: int
+
+
 # -- worker -> parent -----------------------------------------------------------------------
 @dataclass(slots=True)
 class Ready:

@@ -40,6 +40,7 @@ from omnistage.runtime.messages import (
     Abort,
     Deliver,
     Emit,
+    PermitFreed,
     Ready,
     RequestMeta,
     Shutdown,
@@ -437,11 +438,17 @@ class Orchestrator:
                     self._send(r, Abort(req.rid))
         req.open_stages.clear()
         for idx in req.hub_permits:
-            self._permits[idx].release()
+            self._release_permit(idx)
         req.hub_permits.clear()
         self.counts[outcome] += 1
         req.sink(RequestEnd(req.rid, error))
         self._cond.notify_all()
+
+    def _release_permit(self, idx: int) -> None:
+        self._permits[idx].release()
+        for r in self.replicas[self.spec.edges[idx].src.stage]:
+            if r.ready:
+                self._send(r, PermitFreed(idx))
 
     def _on_emit(self, r: Replica, msg: Emit) -> None:
         stage = r.stage
@@ -452,7 +459,7 @@ class Orchestrator:
                 for slot in range(len(port_edges.get(port, ()))):
                     release_all(payload, self._reader, slot)
             for idx in msg.acquired_edges:
-                self._permits[idx].release()
+                self._release_permit(idx)
             return
         req.hub_permits.update(msg.acquired_edges)
         if msg.error is not None:
@@ -479,7 +486,7 @@ class Orchestrator:
             for idx in self._in_edge_idx[stage]:
                 if idx in req.hub_permits:
                     req.hub_permits.discard(idx)
-                    self._permits[idx].release()
+                    self._release_permit(idx)
             if not req.open_stages:
                 self._finish(req, None, "ok")
 

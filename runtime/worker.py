@@ -30,6 +30,7 @@ from omnistage.runtime.messages import (
     Abort,
     Deliver,
     Emit,
+    PermitFreed,
     Ready,
     Shutdown,
     StartFailed,
@@ -44,7 +45,7 @@ from omnistage.stages.base import Emission, StageContext, StageEngine
 STEP_LOG_KEEP = 64
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_MS_BUCKETS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
-PERMIT_POLL_S = 0.002
+PERMIT_POLL_S = 0.05  # fallback only: the orchestrator sends PermitFreed when it returns one
 ENGINE_STATS_EVERY_S = 0.1
 
 
@@ -246,6 +247,8 @@ class Worker:
                 self._apply(action)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
+        elif isinstance(msg, PermitFreed):
+            pass  # the loop retries waiting admissions right after draining
         elif isinstance(msg, Shutdown) or msg is None:
             self.running = False
 

@@ -218,3 +218,19 @@ def test_prometheus_collector_exports_stage_figures(diamond):
         'omnistage_engine_batches_total{pipeline="tiny-diamond",replica="0",stage="producer"}',
     ):
         assert series in text, series
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_idle_workers_do_not_spin(diamond):
+    diamond.run({"x": torch.randn(4, 8)})
+    time.sleep(0.3)  # let every worker settle into its blocking wait
+    pids = [pid for reps in diamond.worker_pids().values() for pid in reps]
+    before = {pid: _cpu_seconds(pid) for pid in pids}
+    time.sleep(1.0)
+    used = {pid: _cpu_seconds(pid) - before[pid] for pid in pids}
+    assert all(u <= 0.05 for u in used.values()), used  # blocked, not polling
