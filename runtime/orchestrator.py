@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import multiprocessing.spawn as mp_spawn
 import os
+import signal
 import threading
 import time
 import uuid
@@ -502,14 +503,12 @@ class Orchestrator:
         proc = r.proc
         proc.join(timeout=1)
         code = proc.exitcode
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        try:
-            import signal as _signal
-
-            if code is not None and code < 0:
-                how = f"killed by {_signal.Signals(-code).name}"
-        except ValueError:
-            pass
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"killed by signal {-code}"
         was_ready = r.ready
         r.ready = False
         r.last_stats = {}  # the dead process's figures no longer describe anything
@@ -545,7 +544,12 @@ class Orchestrator:
         r.pending.clear()
         r.generation += 1
         r.restarts += 1
-        self._spawn(r)
+        try:
+            self._spawn(r)
+        except Exception as exc:  # noqa: BLE001 - e.g. the fork server is gone
+            log.exception("omnistage: restarting %s failed", r.name)
+            r.dead = True
+            r.start_error = f"restart failed: {type(exc).__name__}: {exc}"
         self._cond.notify_all()
 
     # -- hub thread -----------------------------------------------------------------------------
@@ -601,7 +605,10 @@ class Orchestrator:
                         r.conn.close()
                         r.conn = None  # orderly exit after Shutdown
                     else:
-                        self._on_death(r)
+                        try:
+                            self._on_death(r)
+                        except Exception:  # noqa: BLE001 - the hub must keep routing
+                            log.exception("omnistage: handling the death of %s failed", r.name)
                 self._expire_deadlines()
 
     def _on_message(self, r: Replica, msg) -> None:

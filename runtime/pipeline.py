@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import queue
-import threading
 import time
 import weakref
 from typing import Any, AsyncIterator, Iterable
@@ -190,7 +189,3 @@ class Pipeline:
 
     def __repr__(self) -> str:
         return f"Pipeline({self.name!r}, stages={list(self.spec.stages)}, ready={self.ready})"
-
-
-def _thread_name() -> str:
-    return threading.current_thread().name

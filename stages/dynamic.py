@@ -28,8 +28,6 @@ from typing import Any, Hashable, Iterator
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, StageContext, StageEngine, StageRequest, StepRecord
 
-Result = "dict[str, Any] | BaseException | Iterator[dict[str, Any]]"
-
 
 def combine_chunks(chunks: list[Any]) -> Any:
     """Concatenate the chunks of one port: tensors along dim 0, str/bytes joined, lists
