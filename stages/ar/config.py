@@ -159,6 +159,16 @@ class ModelConfig:
     qk_norm: bool
     mrope_section: tuple[int, ...] | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen2.5-Omni talker: token / prompt embeddings live in a wider space (the thinker's) and
+    # pass through `input_projection` (a biased Linear, HF name) before the first layer; the
+    # LM head is called `lm_head_name`.
+    embedding_size: int = 0  # 0: hidden_size
+    input_projection: str | None = None
+    lm_head_name: str = "lm_head"
+
+    def __post_init__(self) -> None:
+        if not self.embedding_size:
+            self.embedding_size = self.hidden_size
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], tie_default: bool | None = None) -> "ModelConfig":
@@ -175,12 +185,18 @@ class ModelConfig:
             arch, qkv_bias, qk_norm = "qwen3", bool(cfg.get("attention_bias", False)), True
         else:
             arch, qkv_bias, qk_norm = ("qwen2_5_omni_text" if mrope else "qwen2"), True, False
+            if model_type == "qwen2_5_omni_talker":
+                arch = "qwen2_5_omni_talker"
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         tie = cfg.get("tie_word_embeddings")
         if tie is None:
             tie = bool(tie_default)
+        talker = model_type == "qwen2_5_omni_talker"
         return cls(
+            embedding_size=cfg.get("embedding_size") or cfg["hidden_size"],
+            input_projection="thinker_to_talker_proj" if talker else None,
+            lm_head_name="codec_head" if talker else "lm_head",
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],

@@ -80,8 +80,13 @@ class LLMEngine:
         position_ids: torch.Tensor | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        decode_embeds: torch.Tensor | None = None,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError (and queues nothing) when it is malformed."""
+        """Queue a request. Raises InvalidRequestError (and queues nothing) when it is malformed.
+
+        decode_embeds [K, embedding_size]: row min(t, K - 1) is added to the input embedding of
+        generated token t when it is fed back (before any input projection); more rows can be
+        appended while the request runs with `extend_decode_embeds`."""
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         if sampling is None:
@@ -96,9 +101,9 @@ class LLMEngine:
             embeds = inputs_embeds.detach()
             if embeds.dim() == 3 and embeds.shape[0] == 1:
                 embeds = embeds[0]
-            if embeds.dim() != 2 or embeds.shape[1] != mc.hidden_size or embeds.shape[0] < 1:
+            if embeds.dim() != 2 or embeds.shape[1] != mc.embedding_size or embeds.shape[0] < 1:
                 raise InvalidRequestError(
-                    f"inputs_embeds must be [num_tokens, {mc.hidden_size}], got {tuple(inputs_embeds.shape)}",
+                    f"inputs_embeds must be [num_tokens, {mc.embedding_size}], got {tuple(inputs_embeds.shape)}",
                     param="inputs_embeds",
                 )
             num_prompt = embeds.shape[0]
@@ -129,6 +134,7 @@ class LLMEngine:
             if pos.shape != (3, num_prompt):
                 raise InvalidRequestError(f"position_ids must be (3, {num_prompt}), got {tuple(position_ids.shape)}", param="position_ids")
             mrope, delta = pos, int(pos.max()) + 1 - num_prompt
+        extra = self._check_decode_embeds(decode_embeds)
         arrival = next(self._arrival)
         seqs = []
         for i in range(sampling.n):
@@ -149,6 +155,7 @@ class LLMEngine:
                     prompt_embeds=embeds,
                     mrope_positions=mrope,
                     mrope_delta=delta,
+                    decode_embeds=extra,
                     generator=gen,
                 )
             )
@@ -158,6 +165,23 @@ class LLMEngine:
             parent.fork_children.append(child)
         self.requests[request_id] = seqs
         self.scheduler.add(parent)
+
+    def _check_decode_embeds(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        if rows is None:
+            return None
+        rows = rows.detach()
+        if rows.dim() == 3 and rows.shape[0] == 1:
+            rows = rows[0]
+        e = self.model_config.embedding_size
+        if rows.dim() != 2 or rows.shape[1] != e or rows.shape[0] < 1:
+            raise InvalidRequestError(f"decode_embeds must be [rows, {e}], got {tuple(rows.shape)}", param="decode_embeds")
+        return rows.to(device=self.device, dtype=self.config.dtype)
+
+    def extend_decode_embeds(self, request_id: str, rows: torch.Tensor) -> None:
+        """Append rows to every live sequence of the request's decode_embeds."""
+        rows = self._check_decode_embeds(rows)
+        for seq in self.requests.get(request_id, ()):
+            seq.decode_embeds = rows if seq.decode_embeds is None else torch.cat((seq.decode_embeds, rows))
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its sequences report finish_reason "abort" on the next step()."""
@@ -219,6 +243,8 @@ class LLMEngine:
         slot_parts: list[torch.Tensor] = []
         embed_rows: list[torch.Tensor] = []
         embed_vals: list[torch.Tensor] = []
+        extra_rows: list[torch.Tensor] = []
+        extra_vals: list[torch.Tensor] = []
         use_mrope = self.model_config.uses_mrope
         row = 0
         dec_tables, dec_lens = [], []
@@ -236,6 +262,8 @@ class LLMEngine:
                 if seq.prompt_embeds is not None and c < seq.num_prompt_tokens:
                     embed_rows.append(torch.tensor([row]))
                     embed_vals.append(seq.prompt_embeds[c : c + 1])
+                if seq.decode_embeds is not None:
+                    self._add_decode_embeds(seq, c, 1, row, extra_rows, extra_vals)
                 row += 1
             slot_parts.append(torch.tensor(dec_slots, dtype=torch.long))
             pos_parts.append(torch.cat(dec_pos, dim=1) if use_mrope else torch.tensor(dec_pos, dtype=torch.long))
@@ -251,6 +279,8 @@ class LLMEngine:
                 m = min(c + n, seq.num_prompt_tokens) - c
                 embed_rows.append(torch.arange(row, row + m))
                 embed_vals.append(seq.prompt_embeds[c : c + m])
+            if seq.decode_embeds is not None:
+                self._add_decode_embeds(seq, c, n, row, extra_rows, extra_vals)
             prefill_specs.append((c, n, seq.block_table))
             row += n
 
@@ -265,8 +295,11 @@ class LLMEngine:
         outputs_only = self.num_layers not in self.capture_layers
         embeds = torch.cat(embed_vals) if embed_vals else None
         rows_t = torch.cat(embed_rows).to(dev) if embed_rows else None
+        extra = torch.cat(extra_vals) if extra_vals else None
+        extra_rows_t = torch.cat(extra_rows).to(dev) if extra_rows else None
         hidden, captured = self.model(
-            ids_t, positions, self.kv_cache.layers, meta, embeds, rows_t, self.capture_layers, outputs_only
+            ids_t, positions, self.kv_cache.layers, meta, embeds, rows_t, self.capture_layers, outputs_only,
+            extra, extra_rows_t,
         )
         # Row of `hidden` holding flat batch row r.
         hidden_row = {r: i for i, r in enumerate(meta.out_rows.tolist())} if outputs_only else None
@@ -321,6 +354,17 @@ class LLMEngine:
         return outputs
 
     # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _add_decode_embeds(seq: Sequence, start: int, n: int, row: int, rows: list, vals: list) -> None:
+        """Generated tokens among positions [start, start + n) get their decode_embeds rows."""
+        p = seq.num_prompt_tokens
+        first = max(start, p)
+        if first >= start + n:
+            return
+        t = torch.arange(first - p, start + n - p).clamp(max=seq.decode_embeds.shape[0] - 1)
+        rows.append(torch.arange(row + first - start, row + n))
+        vals.append(seq.decode_embeds[t.to(seq.decode_embeds.device)])
+
     @staticmethod
     def _positions(seq: Sequence, start: int, n: int) -> torch.Tensor:
         """(3, n) M-RoPE positions; text-only sequences use the same id on all three axes."""

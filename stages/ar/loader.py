@@ -36,7 +36,8 @@ def load_model(
 ) -> DecoderModel:
     """Build the decoder in `dtype` on `device` and fill it by parameter name.
 
-    weight_prefix: only tensors named "<prefix>model.*" / "<prefix>lm_head.*" are loaded
+    weight_prefix: only tensors named "<prefix>model.*" / "<prefix>lm_head.*" (and a talker's
+    "<prefix>codec_head.*" / "<prefix>thinker_to_talker_proj.*") are loaded
     (e.g. "thinker." inside a Qwen2.5-Omni checkpoint); others are ignored.
     """
     with torch.device("meta"):
@@ -55,7 +56,8 @@ def load_model(
                     if not key.startswith(weight_prefix):
                         continue
                     name = key[len(weight_prefix) :]
-                    if not (name.startswith("model.") or name.startswith("lm_head.")):
+                    owned = ("model.", cfg.lm_head_name + ".") + ((cfg.input_projection + ".",) if cfg.input_projection else ())
+                    if not name.startswith(owned):
                         continue
                     t = f.get_tensor(key)
                     if model.load_weight(name, t.to(dtype)):

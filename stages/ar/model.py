@@ -176,7 +176,8 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.embedding_size)
+        self.input_proj = Linear(cfg.embedding_size, cfg.hidden_size, bias=True) if cfg.input_projection else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
@@ -209,6 +210,8 @@ class DecoderModel(nn.Module):
         embed_rows: torch.Tensor | None = None,  # [M] which rows of the batch they replace
         capture_layers: tuple[int, ...] = (),
         outputs_only: bool = False,
+        extra: torch.Tensor | None = None,  # [K, embedding_size] added to rows extra_rows (before the projection)
+        extra_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns (final normed hidden states, {hidden-state index: [N, hidden]}).
 
@@ -219,6 +222,10 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if embeds is not None:
             x[embed_rows] = embeds.to(x.dtype)
+        if extra is not None:
+            x[extra_rows] += extra.to(x.dtype)
+        if self.input_proj is not None:
+            x = self.input_proj(x)
         cos, sin = self.rotary(positions, x.dtype)
         n_layers = len(self.layers)
         captured: dict[int, torch.Tensor] = {}
@@ -253,11 +260,16 @@ class DecoderModel(nn.Module):
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one HF-named tensor (relative to the decoder, e.g. "model.layers.0.mlp.up_proj.weight"
         or "lm_head.weight") into place. Returns False for names this model does not own."""
+        head = self.config.lm_head_name + "."
+        proj = (self.config.input_projection or "\0") + "."
         if name.startswith("model."):
             name = name[len("model.") :]
-        elif name.startswith("lm_head."):
+        elif name.startswith(head):
             if self.lm_head is None:
                 return True  # tied: the embedding is the head
+            name = "lm_head." + name[len(head) :]
+        elif name.startswith(proj):
+            name = "input_proj." + name[len(proj) :]
         else:
             return False
         parts = name.split(".")
@@ -287,7 +299,9 @@ class DecoderModel(nn.Module):
         """HF names that must be present in a checkpoint for this model."""
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if self.lm_head is not None:
-            names.add("lm_head.weight")
+            names.add(self.config.lm_head_name + ".weight")
+        if self.input_proj is not None:
+            names.update({self.config.input_projection + ".weight", self.config.input_projection + ".bias"})
         cfg = self.config
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."

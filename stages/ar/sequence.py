@@ -57,6 +57,9 @@ class Sequence:
     prompt_embeds: torch.Tensor | None = None  # [num_prompt_tokens, hidden]
     mrope_positions: torch.Tensor | None = None  # (3, num_prompt_tokens) int64
     mrope_delta: int = 0  # generated token t (t >= prompt len) sits at position t + delta
+    # Added to the input embedding of generated token t when it is fed back: row min(t, K - 1)
+    # (the Qwen2.5-Omni talker's thinker_reply_part). [K, embedding_size]
+    decode_embeds: torch.Tensor | None = None
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

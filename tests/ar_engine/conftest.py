@@ -142,3 +142,31 @@ def run_to_completion(engine, max_steps: int = 100000):
 def assert_pool_full(engine):
     assert engine.num_free_blocks == engine.num_total_blocks
     assert not engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="session")
+def omni_talker(tmp_path_factory):
+    """A tiny Qwen2.5-Omni talker (codec LM: thinker-space embeddings, thinker_to_talker_proj,
+    codec_head, M-RoPE), re-saved in the full Omni layout (weights under "talker.")."""
+    from transformers import Qwen2_5OmniTalkerConfig, Qwen2_5OmniTalkerForConditionalGeneration
+
+    torch.manual_seed(4)
+    cfg = Qwen2_5OmniTalkerConfig(
+        vocab_size=300, embedding_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
+        initializer_range=0.3, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+        tts_codec_start_token_id=290, tts_codec_end_token_id=291, tts_codec_pad_token_id=292, tts_codec_mask_token_id=293,
+        tts_text_start_token_id=294, tts_text_end_token_id=295, tts_text_pad_token_id=296,
+        **{k: v for k, v in OMNI_TOKENS.items() if k != "position_id_per_seconds"},
+    )
+    model = Qwen2_5OmniTalkerForConditionalGeneration(cfg).eval()
+    talker_dir = str(tmp_path_factory.mktemp("omni_talker_hf"))
+    model.save_pretrained(talker_dir)
+    omni_dir = str(tmp_path_factory.mktemp("omni_talker_layout"))
+    tensors = load_file(os.path.join(talker_dir, "model.safetensors"))
+    save_file({"talker." + k: v.contiguous() for k, v in tensors.items()}, os.path.join(omni_dir, "model.safetensors"))
+    with open(os.path.join(talker_dir, "config.json")) as f:
+        talker_cfg = json.load(f)
+    with open(os.path.join(omni_dir, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2_5_omni", "talker_config": talker_cfg}, f)
+    return omni_dir, model
