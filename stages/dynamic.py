@@ -61,8 +61,11 @@ def combine_chunks(chunks: list[Any]) -> Any:
 
 
 def error_emission(request_id: str, exc: BaseException) -> Emission:
-    kind = "invalid_request" if isinstance(exc, InvalidRequestError) else "internal"
-    return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind=kind)
+    """The failure of one request: InvalidRequestError is the request's own fault (400, its
+    message as is); anything else is a stage failure (500, with the exception type)."""
+    if isinstance(exc, InvalidRequestError):
+        return Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request")
+    return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind="internal")
 
 
 @dataclass
