@@ -47,6 +47,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STEP_MS_BUCKETS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
 PERMIT_POLL_S = 0.05  # fallback only: the orchestrator sends PermitFreed when it returns one
 ENGINE_STATS_EVERY_S = 0.1
+DRAIN_MAX = 512
 
 
 @dataclass
@@ -157,6 +158,7 @@ class Worker:
         self.send_lock = threading.Lock()
         self.engine_stats: dict[str, Any] = {}
         self.engine_stats_at = 0.0
+        self.stats_dirty = True
 
     # -- transport -------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -192,6 +194,7 @@ class Worker:
             stats = {}
         self.engine_stats = stats
         self.engine_stats_at = time.monotonic()
+        self.stats_dirty = False
 
     # -- main ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -213,7 +216,8 @@ class Worker:
                 timeout = engine.next_wakeup()
                 if self.waiting_permits:
                     timeout = PERMIT_POLL_S if timeout is None else min(timeout, PERMIT_POLL_S)
-                self._publish_engine_stats()
+                if self.stats_dirty:
+                    self._publish_engine_stats()
             self._drain(timeout)
             if self.waiting_permits:
                 self._admit_waiting()
@@ -226,19 +230,21 @@ class Worker:
             msg = self.inbox.get(timeout=timeout) if timeout != 0.0 else self.inbox.get_nowait()
         except queue.Empty:
             return
-        while True:
-            self._handle(msg)
+        self._handle(msg)
+        for _ in range(DRAIN_MAX - 1):  # bounded, so a flood of input never starves step()
             if not self.running:
                 return
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
+            self._handle(msg)
 
     def _handle(self, msg) -> None:
+        self.stats_dirty = True
         if isinstance(msg, Deliver):
-            data = decode(msg.payload, self.reader, msg.slot) if msg.has_data else None
             try:
+                data = decode(msg.payload, self.reader, msg.slot) if msg.has_data else None
                 actions = self.assembler.deliver(msg.request_id, msg.port, data, msg.has_data, msg.last, msg.meta)
             except Exception as exc:  # noqa: BLE001 - bad input for this request only
                 self._fail(msg.request_id, exc)
@@ -329,6 +335,7 @@ class Worker:
                 self._fail(rid, RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
             return
         ms = (time.perf_counter() - t0) * 1000.0
+        self.stats_dirty = True
         log = engine.step_log
         if len(log) > n_log:
             batch = log[-1].batch_size
