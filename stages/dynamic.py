@@ -147,16 +147,34 @@ class DynamicBatchEngine(StageEngine):
             return True
         if not self._ready:
             return False
-        if self.max_wait_s <= 0 or len(self._ready) >= self.max_batch_size:
+        if self.max_wait_s <= 0:
             return True
         oldest = next(iter(self._ready.values()))
-        return time.monotonic() - oldest.ready_at >= self.max_wait_s
+        if time.monotonic() - oldest.ready_at >= self.max_wait_s:
+            return True
+        return self._oldest_batch_full()
+
+    def _oldest_batch_full(self) -> bool:
+        """The oldest request's batch (requests with its batch_key) already has max_batch_size."""
+        if len(self._ready) < self.max_batch_size:
+            return False
+        entries = iter(self._ready.values())
+        key = self.batch_key(next(entries).request)
+        n = 1
+        for entry in entries:
+            if self.batch_key(entry.request) == key:
+                n += 1
+                if n >= self.max_batch_size:
+                    return True
+        return n >= self.max_batch_size
 
     def next_wakeup(self) -> float | None:
         if self._iterators:
             return 0.0
         if not self._ready:
             return None
+        if self._oldest_batch_full():
+            return 0.0
         oldest = next(iter(self._ready.values()))
         return max(0.0, oldest.ready_at + self.max_wait_s - time.monotonic())
 
