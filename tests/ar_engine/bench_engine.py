@@ -1,6 +1,10 @@
 """Quick engine-vs-transformers throughput probe (not a test; the official one is `omnistage bench ar`).
 
-    PYTHONSAFEPATH=1 .venv/bin/python tests/ar_engine/bench_engine.py [--requests 64] [--hf serial,static] [--threads 2]
+    OMP_WAIT_POLICY=PASSIVE PYTHONSAFEPATH=1 .venv/bin/python tests/ar_engine/bench_engine.py [--runs 3] [--threads 1]
+
+Engine alone (no runtime) on the issue's workload (55M Qwen2, 64 requests, prompts 32..512,
+outputs 16..256, EOS ignored, all at once) against transformers generate() one request at a
+time on the first --serial-requests requests; throughput counts requested output tokens.
 """
 
 from __future__ import annotations
@@ -8,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import statistics
 import time
 
 import torch
@@ -26,60 +31,66 @@ def build_model(path: str) -> None:
     Qwen2ForCausalLM(cfg).save_pretrained(path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--hf", default="")
-    ap.add_argument("--model", default="/tmp/omnistage-bench-ar-55m")
-    ap.add_argument("--budget", type=int, default=2048)
-    ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    build_model(args.model)
-    rng = random.Random(0)
-    reqs = [([rng.randrange(32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256)) for _ in range(args.requests)]
-    total_out = sum(o for _, o in reqs)
-
+def run_engine(args, reqs) -> float:
     from omnistage.stages.ar import EngineConfig, LLMEngine, SamplingParams
 
     eng = LLMEngine(EngineConfig(model_path=args.model, max_num_batched_tokens=args.budget, max_num_seqs=64,
                                  max_model_len=1024, enable_prefix_caching=False))
-    # warm-up
-    eng.add_request("w", list(range(40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.add_request("warmup", list(range(40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
     t0 = time.perf_counter()
     for i, (p, o) in enumerate(reqs):
         eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
-    steps = 0
-    prof = None
-    if args.profile:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        prof.__enter__()
     while eng.has_unfinished_requests():
         eng.step()
-        steps += 1
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    dt = time.perf_counter() - t0
-    print(f"omnistage: {total_out} tokens in {dt:.1f}s = {total_out / dt:.1f} tok/s, {steps} steps")
+    return sum(o for _, o in reqs) / (time.perf_counter() - t0)
 
-    if args.hf:
+
+def run_hf_serial(model, reqs) -> float:
+    t0 = time.perf_counter()
+    for p, o in reqs:
+        model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=o,
+                       min_new_tokens=o, do_sample=False, pad_token_id=0)
+    return sum(o for _, o in reqs) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--serial-requests", type=int, default=8, help="transformers serial runs the first N requests")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--model", default="/tmp/omnistage-bench-ar-55m")
+    ap.add_argument("--budget", type=int, default=2048)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    build_model(args.model)
+    rng = random.Random(0)
+    reqs = [([rng.randrange(32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256)) for _ in range(args.requests)]
+    hf = None
+    if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        m = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        if "serial" in args.hf:
-            t0 = time.perf_counter()
-            n = min(len(reqs), 8)
-            toks = 0
-            for p, o in reqs[:n]:
-                m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=o,
-                           min_new_tokens=o, do_sample=False)
-                toks += o
-            dt = time.perf_counter() - t0
-            print(f"hf serial (first {n}): {toks / dt:.1f} tok/s")
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        run_hf_serial(hf, [(list(range(40)), 4)])  # warm-up
+    ours, theirs = [], []
+    for r in range(args.runs):
+        ours.append(run_engine(args, reqs))
+        if hf is not None:
+            with torch.no_grad():
+                theirs.append(run_hf_serial(hf, reqs[: args.serial_requests]))
+        print(f"run {r}: omnistage {ours[-1]:.1f} tok/s" + (f", hf serial {theirs[-1]:.1f} tok/s" if theirs else ""), flush=True)
+
+    def fmt(xs):
+        return f"median {statistics.median(xs):.1f} (min {min(xs):.1f}, max {max(xs):.1f}) tok/s"
+
+    print("omnistage engine:", fmt(ours))
+    if theirs:
+        print(f"transformers serial generate (first {args.serial_requests} requests):", fmt(theirs))
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        print(f"ratio per run: median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
 if __name__ == "__main__":
