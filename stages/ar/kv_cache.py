@@ -9,6 +9,8 @@ needs it for something else. "Free" therefore counts cached-but-unused blocks to
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,7 +27,14 @@ class Block:
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...], salt: str | None) -> int:
-    return hash((parent, tokens, salt))
+    """128-bit BLAKE2 of (parent hash, block tokens, salt): unlike Python's hash(), tenants cannot
+    craft colliding prefixes to read each other's cached K/V."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((parent or 0).to_bytes(16, "little"))
+    h.update(array("q", tokens).tobytes())
+    if salt is not None:
+        h.update(b"\x00salt:" + salt.encode())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
