@@ -279,7 +279,8 @@ def measure_capacity(ref, cfg: BenchConfig) -> dict:
             "capacity_rps": 1.0 / mean_service, "arrival_rate_rps": cfg.load / mean_service}
 
 
-def run_benchmark(cfg: BenchConfig) -> dict:
+def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
+    """All workloads; after each phase the figures so far go to `partial_path` (long runs)."""
     torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
     model_dir = bench_model_dir()
@@ -312,6 +313,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                 equal_diff = max_image_diff(omni, serial, 4)
             log("  throughput rps: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()))
         out["saturation"] = {name: {"throughput_rps": spread(v)} for name, v in runs.items()}
+        _dump_partial(partial_path, out)
         sat_vs_serial = [o / s for o, s in zip(runs["omnistage"], runs["serial"])]
         sat_vs_ideal = [o / i for o, i in zip(runs["omnistage"], runs["ideal"])]
 
@@ -338,6 +340,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
                     row[name]["denoiser_queue_wait_ms_mean"] = res.extra["denoiser_queue_wait_ms_mean"]
                 log("  " + ", ".join(f"{key} {val:.1f}" for key, val in row[name].items()))
             traces.append(row)
+            _dump_partial(partial_path, {**out, "mixed_partial": {**cap, "traces": traces}})
         out["mixed"] = {**cap, "traces": traces}
 
         def med(system: str, key: str) -> dict:
@@ -384,6 +387,11 @@ def run_benchmark(cfg: BenchConfig) -> dict:
         pipe.close()
 
 
+def _dump_partial(path: Path | None, data: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps({"partial": True, **data}, indent=2, default=float))
+
+
 def _rotated(names: list[str], k: int) -> list[str]:
     k %= len(names)
     return names[k:] + names[:k]
@@ -410,13 +418,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced workloads (about a minute)")
     ap.add_argument("--max-batch-size", type=int, default=None)
     ap.add_argument("--traces", type=int, default=None)
+    ap.add_argument("--saturation-repeats", type=int, default=None)
     args = ap.parse_args(argv)
     cfg = BenchConfig.make(args.quick)
     if args.max_batch_size:
         cfg.max_batch_size = args.max_batch_size
     if args.traces:
         cfg.mixed_traces = args.traces
-    result = run_benchmark(cfg)
+    if args.saturation_repeats:
+        cfg.saturation_repeats = args.saturation_repeats
+    partial = Path(args.json_path + ".partial") if args.json_path else None
+    result = run_benchmark(cfg, partial)
     text = json.dumps(result, indent=2, default=float)
     if args.json_path:
         Path(args.json_path).write_text(text)
