@@ -1,1 +1,12 @@
-"""Embedded runtime: worker processes, shared-memory transport, orchestration, Pipeline API."""
+"""Embedded runtime: runs a PipelineSpec across worker processes on one machine.
+
+pipeline.py      the Pipeline API (run / stream / generate / abort / stage_stats / close)
+orchestrator.py  hub thread in the parent: admission, routing, deadlines, aborts, worker death
+worker.py        one process per stage replica: the engine loop
+assembler.py     transport-agnostic input assembly (fan-in join, re-chunking, concatenation)
+shm.py           pooled /dev/shm segments for tensors (zero-copy reads), inline/CUDA refs
+messages.py      the messages between orchestrator and workers
+metrics.py       Prometheus collector of per-stage figures
+testmodules.py   small deterministic modules for tests, the benchmark and tiny-diamond
+See docs/runtime.md.
+"""
