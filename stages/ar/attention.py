@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 
 
-def _additive_mask(lens: list[int], length: int, device) -> torch.Tensor:
+def _additive_mask(lens: list[int], length: int, device, dtype=torch.float32) -> torch.Tensor:
     """[1, B, 1, length] float mask: 0 where position < len, -inf after (SDPA is faster with it)."""
     keep = torch.arange(length).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
-    mask = torch.zeros(len(lens), length).masked_fill_(~keep, float("-inf"))
+    mask = torch.zeros(len(lens), length, dtype=dtype).masked_fill_(~keep, float("-inf"))
     return mask.view(1, len(lens), 1, length).to(device)
 
 
@@ -81,7 +81,7 @@ class PrefillChunk:
     num_tokens: int
     context_len: int  # tokens before this chunk already in the cache
     block_ids: torch.Tensor | None  # [nb] the sequence's blocks covering context + chunk, when context_len > 0
-    mask: torch.Tensor | None  # [num_tokens, nb * block_size] bool when context_len > 0
+    mask: torch.Tensor | None  # [num_tokens, nb * block_size] additive float when context_len > 0
     needs_output: bool = True  # its last row's final hidden state is needed (the prompt completes)
 
 
@@ -169,7 +169,7 @@ class DecodeBuffer:
         groups = []
         for a, b in _length_groups(mask_lens, max_padding_ratio):
             L = max(mask_lens[a:b])
-            groups.append((a, b, L, _additive_mask(mask_lens[a:b], L, self.device)))
+            groups.append((a, b, L, _additive_mask(mask_lens[a:b], L, self.device, self.dtype)))
         return BufferPlan(
             buffers=self.buffers,
             token_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
@@ -191,6 +191,7 @@ def build_metadata(
     device: torch.device,
     decode_buffer: DecodeBuffer | None = None,
     prefill_needs_output: list[bool] | None = None,
+    dtype: torch.dtype = torch.float32,  # of the queries: SDPA wants float masks in the same dtype
     max_padding_ratio: float = 1.25,
 ) -> AttentionMetadata:
     """decode_*: per decoding sequence (the first rows of the batch, sorted by context length):
@@ -216,7 +217,7 @@ def build_metadata(
             for r, bt in enumerate(decode_tables[a:b]):
                 used = bt[: -(-lens[r] // block_size)]
                 table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
-            mask = None if all(n == L for n in lens) else _additive_mask(lens, L, device)
+            mask = None if all(n == L for n in lens) else _additive_mask(lens, L, device, dtype)
             meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
     start = len(decode_lens)
     needs = prefill_needs_output if prefill_needs_output is not None else [True] * len(prefill_specs)
@@ -230,7 +231,8 @@ def build_metadata(
             q_pos = torch.arange(ctx, total).unsqueeze(1)
             k_pos = torch.arange(nb * block_size).unsqueeze(0)
             ids = torch.tensor(bt[:nb], dtype=torch.long, device=device)
-            chunk = PrefillChunk(start, n, ctx, ids, (k_pos <= q_pos).to(device))
+            mask = torch.zeros(n, nb * block_size, dtype=dtype).masked_fill_(k_pos > q_pos, float("-inf"))  # additive: faster SDPA
+            chunk = PrefillChunk(start, n, ctx, ids, mask.to(device))
         else:
             chunk = PrefillChunk(start, n, 0, None, None)
         chunk.needs_output = need

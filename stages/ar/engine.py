@@ -290,7 +290,7 @@ class LLMEngine:
         needs_output = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in prefills]
         meta = build_metadata(
             dec_keys, dec_tables, dec_lens, prefill_specs, torch.cat(slot_parts), bs, dev, self.decode_buffer,
-            prefill_needs_output=needs_output,
+            prefill_needs_output=needs_output, dtype=self.config.dtype,
         )
         outputs_only = self.num_layers not in self.capture_layers
         embeds = torch.cat(embed_vals) if embed_vals else None
