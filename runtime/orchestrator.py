@@ -271,7 +271,7 @@ class Orchestrator:
             self._stopping = True
             for reps in self.replicas.values():
                 for r in reps:
-                    if r.conn is not None and r.ready:
+                    if r.conn is not None:  # a starting worker reads it once its engine is built
                         try:
                             send_msg(r.conn, Shutdown())
                         except OSError:
