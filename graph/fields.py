@@ -98,7 +98,7 @@ EDGE = {
     "to": Field("string", "Consumer: `stage.port` or `outputs.PORT`.", required=True),
     "stream": Field("special", "Deliver chunks while the producer runs: {chunk, left_context} "
                                "or true. The consumer port must accept streaming input."),
-    "max_inflight": Field("integer", "Most undelivered messages on this edge (backpressure).",
+    "max_inflight": Field("integer", "Most requests between the producer taking them and the consumer finishing them (backpressure: a full edge holds the producer back).",
                           minimum=1, nullable=True),
 }
 
