@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serial-requests", type=int,
                    help="time hf_serial on the first K requests only (its throughput does not "
                         "depend on the batch; the JSON says so)")
-    p.add_argument("--budget", type=int, default=512,
+    p.add_argument("--budget", type=int, default=2048,
                    help="omnistage max_num_batched_tokens (per-step token budget)")
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache part")
     p.add_argument("--engine-direct", action="store_true",
@@ -245,10 +245,42 @@ def _orchestrate(args, argv: list[str]) -> int:
     out["elapsed_s"] = time.time() - started
     if args.json_path:
         write_json(args.json_path, out)
-    print(json.dumps({"ratios": out["ratios"], "checks": out["checks"],
-                      "omnistage_mode": out.get("omnistage_mode")}, indent=2))
+    print(markdown_summary(out))
+    print(f"omnistage measured through: {out.get('omnistage_mode')}")
     failed = [s for s, r in results.items() if "error" in r]
     return 1 if "omnistage" in failed else 0
+
+
+def markdown_summary(out: dict) -> str:
+    """The results as markdown tables (what docs/bench-ar.md records)."""
+    def fig(entry, key, fmt="{:.1f}"):
+        f = entry.get(key)
+        if not f:
+            return "-"
+        return f"{fmt.format(f['median'])} ({fmt.format(f['min'])}..{fmt.format(f['max'])})"
+
+    lines = ["| system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for system, entry in out["systems"].items():
+        if "error" in entry:
+            lines.append(f"| {system} | failed: {entry['error'][:80]} | | | | | |")
+            continue
+        lines.append(f"| {system} | {fig(entry, 'output_tok_s')} | {fig(entry, 'ttft_ms_p50', '{:.0f}')} | "
+                     f"{fig(entry, 'ttft_ms_p99', '{:.0f}')} | {fig(entry, 'tpot_ms_p50')} | "
+                     f"{fig(entry, 'tpot_ms_p99')} | {entry['peak_rss_mb']:.0f} |")
+    lines += ["", "| ratio | value | target |", "|---|---|---|"]
+    targets = {"vs_hf_serial": ">= 6", "vs_hf_static": ">= 2", "vs_hf_generate_batch": ">= 5",
+               "prefix_ttft": "<= 0.2"}
+    for key, value in out["ratios"].items():
+        lines.append(f"| {key} | {value:.2f} | {targets.get(key, '')} |" if value is not None
+                     else f"| {key} | - | {targets.get(key, '')} |")
+    pc = out.get("prefix_cache")
+    if pc:
+        lines += ["", f"prefix cache: TTFT p50 cached {fig(pc, 'ttft_ms_p50_cached')} ms, uncached "
+                      f"{fig(pc, 'ttft_ms_p50_uncached')} ms, cached share of prompt tokens "
+                      f"{fig(pc, 'cached_prompt_share', '{:.3f}')}"]
+    lines += ["", f"checks: {json.dumps(out['checks'])}"]
+    return "\n".join(lines)
 
 
 def _greedy_check(ours, reference, tolerance: float) -> dict:

@@ -220,7 +220,7 @@ def omnistage_settings(job: dict) -> dict:
     blocks = sum(-(-(len(p) + n) // block) for p, n in zip(job["prompts"], job["output_lens"]))
     return {
         "checkpoint": job["checkpoint"], "device": job["device"], "dtype": job["dtype"],
-        "threads": job["threads"], "budget": job.get("budget", 512),
+        "threads": job["threads"], "budget": job.get("budget", 2048),
         "max_seqs": max(len(job["prompts"]), 1), "block_size": block,
         "num_kv_blocks": int(blocks * 1.25) + 64, "max_model_len": max(longest, 1024),
     }
