@@ -220,6 +220,7 @@ class LLMEngine:
             "steps": self._num_steps,
             "generated_tokens": self._generated_tokens,
             "max_model_len": self.max_model_len,
+            "decode_buffer_rebuilds": self.decode_buffer.num_rebuilds if self.decode_buffer else 0,
         }
 
     # ---------------------------------------------------------------- step
@@ -374,6 +375,9 @@ class LLMEngine:
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         child.fork_parent = None
         child.num_cached_tokens = parent.num_cached_tokens
+        if len(self.scheduler.running) >= self.config.max_num_seqs:
+            self.scheduler.add(child)  # no room to run now: recomputed later (mostly prefix-cache hits)
+            return
         try:
             copy = self.block_manager.fork(parent, child)
         except MemoryError:

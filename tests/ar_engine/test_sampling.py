@@ -124,3 +124,18 @@ def test_n_greater_than_one_shares_prompt_blocks(qwen2_gqa_tied):
     # Without sharing: 3 * 7 + 4 * 4 = 37 blocks; shared: 6 + 3 + 3 + 4 = 16 (+1 for a partial block filling up).
     assert max(seen_used) <= 18
     assert_pool_full(engine)
+
+
+def test_n_siblings_respect_max_num_seqs(qwen2_gqa_tied):
+    path, hf_model = qwen2_gqa_tied
+    prompt = list(range(40, 90))
+    ref, _ = hf_greedy(hf_model, prompt, 5)
+    engine = LLMEngine(EngineConfig(model_path=path, num_kv_blocks=64, max_num_seqs=2))
+    engine.add_request("g", prompt, SamplingParams(temperature=0, n=4, max_tokens=5, ignore_eos=True))
+    results: dict = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            results.setdefault(o.index, []).extend(o.new_token_ids)
+        assert engine.stats()["running"] <= 2
+    assert [results[i] for i in range(4)] == [ref] * 4
+    assert_pool_full(engine)
