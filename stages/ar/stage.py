@@ -12,8 +12,8 @@ sequence's text, tokens and finish reason are in `info["choices"]`.
 from __future__ import annotations
 
 import difflib
-import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,8 +22,6 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.registry import register_stage
 from omnistage.stages.ar.text import OutputText, TextTokenizer, normalize_stop
-
-log = logging.getLogger(__name__)
 
 # Per-request params that are not sampling params.
 REQUEST_KEYS = ("stop", "cache_salt", "priority", "skip_special_tokens")
@@ -63,7 +61,6 @@ class _Live:
     engine_finished: list[bool]
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -189,8 +186,6 @@ class ARLMStage(StageEngine):
         emissions, self._pending = self._pending, []
         if not self.engine.has_unfinished_requests():
             return emissions
-        import time
-
         t0 = time.perf_counter()
         outputs = self.engine.step()
         by_request: dict[str, list] = {}
