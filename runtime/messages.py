@@ -53,7 +53,32 @@ class PermitFreed:
     edge: int
 
 
+@dataclass(slots=True)
+class ReleaseSlots:
+    """Reader slots of this worker's segments that a dead reader never released:
+    (segment name, segment use, slot) each; applied only while the segment is still in that use."""
+
+    slots: list[tuple[str, int, int]]
+
+
+@dataclass(slots=True)
+class ForgetSegments:
+    """A dead producer's segments (file names starting with `prefix`) were unlinked: drop
+    their cached mappings."""
+
+    prefix: str
+
+
 # -- worker -> parent -----------------------------------------------------------------------
+@dataclass(slots=True)
+class PermitsTaken:
+    """The worker took in-flight permits of these out-edges (indices in spec.edges) for a
+    request; the orchestrator returns them."""
+
+    request_id: str
+    edges: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class Ready:
     pid: int
@@ -72,7 +97,6 @@ class Emit:
     error: str | None = None
     error_kind: str = "internal"
     progress: tuple[int, int] | None = None
-    acquired_edges: tuple[int, ...] = ()  # indices in spec.edges whose in-flight permit was taken
 
 
 @dataclass(slots=True)

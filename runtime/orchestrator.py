@@ -41,8 +41,11 @@ from omnistage.runtime.messages import (
     Abort,
     Deliver,
     Emit,
+    ForgetSegments,
     PermitFreed,
+    PermitsTaken,
     Ready,
+    ReleaseSlots,
     RequestMeta,
     Shutdown,
     StartFailed,
@@ -51,13 +54,15 @@ from omnistage.runtime.messages import (
     recv_msg,
     send_msg,
 )
-from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, release_all
+from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, iter_refs, release_all
 from omnistage.runtime.worker import WorkerConfig, port_out_edges, worker_main
 from omnistage.stages.dynamic import combine_chunks
 
 log = logging.getLogger("omnistage.runtime")
 
 MAX_RESTART_FAILURES = 3
+# close(): a replica still building its engine gets this long to act on Shutdown, then SIGKILL
+STARTING_STOP_GRACE_S = 1.0
 BASE_PRELOAD = ["torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
 # Imported once by the fork server so every worker starts with them loaded (copy-on-write)
 # instead of paying seconds each; override with OMNISTAGE_PRELOAD="mod1,mod2" ("" for none).
@@ -165,6 +170,10 @@ class _Request:
     open_stages: set = field(default_factory=set)
     hub_permits: set = field(default_factory=set)  # edge indices whose permit the hub must return
     out_buffers: dict = field(default_factory=dict)  # non-streaming output edge -> chunks so far
+    # stage -> (producer replica or None for the caller's inputs, its generation, segment, use,
+    # slot) of every shared-memory slot delivered to that stage, kept until the stage finishes
+    # the request: what to release for it if its worker dies first
+    sent_slots: dict = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -195,6 +204,7 @@ class Orchestrator:
         self.closed = False
         self.started = False
         self._stats_seq = 0
+        self._dead_segments: list[tuple[str, set]] = []  # (dead worker's file prefix, requests it may feed)
         self.counts = {k: 0 for k in ("ok", "error", "invalid", "cancelled", "deadline", "rejected", "worker_died", "closed")}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -237,6 +247,11 @@ class Orchestrator:
         with self._lock:
             return self.started and not self.closed and all(r.ready for reps in self.replicas.values() for r in reps)
 
+    def stage_ready(self) -> dict[str, bool]:
+        with self._lock:
+            live = self.started and not self.closed
+            return {stage: live and bool(reps) and all(r.ready for r in reps) for stage, reps in self.replicas.items()}
+
     def start_errors(self) -> list[str]:
         return [f"{r.name}: {r.start_error}" for reps in self.replicas.values() for r in reps if r.start_error and not r.ever_ready]
 
@@ -269,14 +284,25 @@ class Orchestrator:
             for req in list(self._requests.values()):
                 self._finish(req, PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished"), "closed")
             self._stopping = True
+            starting = []
             for reps in self.replicas.values():
                 for r in reps:
-                    if r.conn is not None:  # a starting worker reads it once its engine is built
+                    if r.conn is not None:  # a worker still building its engine exits on it at once
                         try:
                             send_msg(r.conn, Shutdown())
                         except OSError:
                             pass
+                        if not r.ready:
+                            starting.append(r)
         self._wake()
+        # A replica still building its engine (loading weights can take minutes) holds no
+        # request: give it a moment to act on Shutdown, then kill it rather than wait.
+        grace_end = time.monotonic() + STARTING_STOP_GRACE_S
+        for r in starting:
+            r.proc.join(timeout=max(0.0, grace_end - time.monotonic()))
+        for r in starting:
+            if r.proc.is_alive():
+                r.proc.kill()
         if self._hub is not None:
             self._hub.join(timeout=10)
         deadline = time.monotonic() + 5.0
@@ -427,6 +453,11 @@ class Orchestrator:
         if r.dead:
             self._finish(req, WorkerDiedError(dst, f"replica {r.index} is down and could not be restarted: {r.start_error}"), "worker_died")
             return
+        if has_data:
+            producer = req.replicas.get(src_stage)
+            gen = producer.generation if producer is not None else 0
+            for ref in iter_refs(payload):
+                req.sent_slots.setdefault(dst, []).append((producer, gen, ref.segment, ref.use, slot))
         self._send(r, Deliver(req.rid, e.dst.port, payload, slot, last, has_data, self._meta(req, dst) if first else None))
 
     def _finish(self, req: _Request, error: BaseException | None, outcome: str) -> None:
@@ -459,10 +490,7 @@ class Orchestrator:
             for port, payload in msg.outputs.items():
                 for slot in range(len(port_edges.get(port, ()))):
                     release_all(payload, self._reader, slot)
-            for idx in msg.acquired_edges:
-                self._release_permit(idx)
             return
-        req.hub_permits.update(msg.acquired_edges)
         if msg.error is not None:
             for port, payload in msg.outputs.items():
                 for slot in range(len(port_edges.get(port, ()))):
@@ -483,6 +511,7 @@ class Orchestrator:
                     for slot, idx in enumerate(edges):
                         self._deliver(req, stage, idx, slot, None, False, True)
             req.open_stages.discard(stage)
+            req.sent_slots.pop(stage, None)
             r.requests.discard(req.rid)
             for idx in self._in_edge_idx[stage]:
                 if idx in req.hub_permits:
@@ -519,12 +548,17 @@ class Orchestrator:
         r.conn = None
         held = [self._requests[rid] for rid in list(r.requests) if rid in self._requests]
         r.requests.clear()
+        self._release_slots_of_dead_reader(r, held)
         for req in held:
             self._finish(
                 req,
                 WorkerDiedError(r.stage, f"worker process of replica {r.index} (pid {r.pid}) died ({how}) while holding this request"),
                 "worker_died",
             )
+        self._reconcile_permits(r)
+        # its own segments may still be on their way to readers: unlink once every request
+        # in flight now has ended
+        self._dead_segments.append((f"{self.shm_prefix}-{r.stage}{r.index}g{r.generation}-{proc.pid}-", set(self._requests)))
         if self._stopping or self.closing:
             return
         if not was_ready:
@@ -551,6 +585,59 @@ class Orchestrator:
             r.dead = True
             r.start_error = f"restart failed: {type(exc).__name__}: {exc}"
         self._cond.notify_all()
+
+    def _release_slots_of_dead_reader(self, r: Replica, held: list[_Request]) -> None:
+        """Release the shared-memory slots delivered to a dead replica for requests it had not
+        finished: its tensors will never be freed, so their producers would never reuse those
+        segments. A slot the worker did release is harmless to release again (the producer
+        checks the segment is still in that use)."""
+        by_producer: dict[Replica, list[tuple[str, int, int]]] = {}
+        for req in held:
+            for producer, gen, segment, use, slot in req.sent_slots.pop(r.stage, ()):
+                if producer is None:
+                    self._pool.force_release(segment, use, slot)
+                elif producer.generation == gen and producer.conn is not None:
+                    by_producer.setdefault(producer, []).append((segment, use, slot))
+                # else: that producer died too; its segments are unlinked with it
+        for producer, slots in by_producer.items():
+            self._send(producer, ReleaseSlots(slots))
+
+    def _reconcile_permits(self, r: Replica) -> None:
+        """A worker reports permits right after taking them (PermitsTaken), and the requests it
+        held returned theirs when they failed; a kill between the take and the report would
+        still leak one. With no other replica of the stage alive, nobody but the hub touches
+        the edge's semaphore now, so its value must be max_inflight minus the permits the hub
+        holds: top it up to that."""
+        if len(self.replicas[r.stage]) != 1:
+            return
+        for idx, sem in self._permits.items():
+            e = self.spec.edges[idx]
+            if e.src.stage != r.stage:
+                continue
+            held = sum(1 for req in self._requests.values() if idx in req.hub_permits)
+            try:
+                missing = int(e.max_inflight) - held - sem.get_value()
+            except NotImplementedError:  # no sem_getvalue (macOS)
+                return
+            for _ in range(max(0, missing)):
+                sem.release()
+
+    def _reap_dead_segments(self) -> None:
+        if not self._dead_segments:
+            return
+        keep = []
+        for prefix, rids in self._dead_segments:
+            rids.intersection_update(self._requests.keys())
+            if rids:
+                keep.append((prefix, rids))
+                continue
+            cleanup_prefix(prefix.rstrip("-"))
+            self._reader.forget(prefix)
+            for reps in self.replicas.values():
+                for x in reps:
+                    if x.ready:
+                        self._send(x, ForgetSegments(prefix))
+        self._dead_segments = keep
 
     # -- hub thread -----------------------------------------------------------------------------
     def _hub_loop(self) -> None:
@@ -610,10 +697,18 @@ class Orchestrator:
                         except Exception:  # noqa: BLE001 - the hub must keep routing
                             log.exception("omnistage: handling the death of %s failed", r.name)
                 self._expire_deadlines()
+                self._reap_dead_segments()
 
     def _on_message(self, r: Replica, msg) -> None:
         if isinstance(msg, Emit):
             self._on_emit(r, msg)
+        elif isinstance(msg, PermitsTaken):
+            req = self._requests.get(msg.request_id)
+            if req is None or req.replicas.get(r.stage) is not r or r.stage not in req.open_stages:
+                for idx in msg.edges:  # the request ended meanwhile
+                    self._release_permit(idx)
+            else:
+                req.hub_permits.update(msg.edges)
         elif isinstance(msg, StatsReply):
             r.last_stats = msg.stats
             r.last_stats["seq"] = msg.seq

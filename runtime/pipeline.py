@@ -74,6 +74,11 @@ class Pipeline:
     def ready(self) -> bool:
         return self._orch.ready
 
+    def stage_ready(self) -> dict[str, bool]:
+        """Stage name -> True when every replica of that stage has built its engine (local
+        state: asks no worker, never blocks on a busy one)."""
+        return self._orch.stage_ready()
+
     @property
     def closed(self) -> bool:
         return self._orch.closing or self._orch.closed

@@ -9,8 +9,10 @@ segment once every reader slot is released, so steady state allocates nothing.
 
 Reader slots: a value sent on an output port goes to each of the port's out-edges; edge i
 reads with slot i (the router releases the slots of edges it does not deliver to).
-Files are only unlinked by `cleanup_prefix` when the pipeline closes (a dead worker's
-segments may still be mapped by live readers until then).
+A worker unlinks its segments when it exits; the orchestrator unlinks a dead worker's once
+no request that was in flight when it died remains, and releases the slots a dead reader held
+(`SegmentPool.force_release`, checked against the segment's use count); `cleanup_prefix`
+removes whatever is left when the pipeline closes.
 Small CPU tensors travel inline as raw bytes (InlineTensor). CUDA tensors are pickled by the
 producer with torch's multiprocessing reductions (a CUDA IPC handle, no copy) into an opaque
 CudaTensorRef that the router forwards untouched and the consumer opens.
@@ -47,6 +49,7 @@ class ShmRef:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    use: int = 0  # the segment's use count when written (see SegmentPool.force_release)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ class CudaTensorRef:
 
 
 class _Segment:
-    __slots__ = ("name", "size", "mm", "nreaders")
+    __slots__ = ("name", "size", "mm", "nreaders", "use")
 
     def __init__(self, name: str, size: int):
         self.name = name
@@ -105,6 +108,7 @@ class _Segment:
         finally:
             os.close(fd)
         self.nreaders = 0
+        self.use = 0
 
     def is_free(self) -> bool:
         n = self.nreaders
@@ -117,6 +121,7 @@ class SegmentPool:
     def __init__(self, prefix: str):
         self.prefix = f"{prefix}-{os.getpid()}"
         self._classes: dict[int, list[_Segment]] = {}
+        self._by_name: dict[str, _Segment] = {}
         self._count = 0
         self._lock = threading.Lock()
 
@@ -131,8 +136,10 @@ class SegmentPool:
                 self._count += 1
                 seg = _Segment(f"{self.prefix}-{self._count}", size)
                 segments.append(seg)
+                self._by_name[seg.name] = seg
             seg.mm[0:HEADER] = bytes([nreaders]) + b"\x00" * (HEADER - 1)
             seg.nreaders = nreaders
+            seg.use += 1
             return seg
 
     def put(self, tensor: torch.Tensor, nreaders: int) -> ShmRef:
@@ -143,7 +150,21 @@ class SegmentPool:
         if nbytes:
             dst = torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=HEADER)
             dst.view(tensor.dtype).view(tensor.shape).copy_(tensor)
-        return ShmRef(seg.name, nbytes, tensor.dtype, tuple(tensor.shape))
+        return ShmRef(seg.name, nbytes, tensor.dtype, tuple(tensor.shape), seg.use)
+
+    def force_release(self, name: str, use: int, slot: int) -> bool:
+        """Release a reader slot on behalf of a reader that died holding it. Only while the
+        segment is still in the use the slot was handed out for: reuse happens under the
+        same lock, so a slot of a later use is never touched."""
+        with self._lock:
+            seg = self._by_name.get(name)
+            if seg is None or seg.use != use or not 0 <= slot < seg.nreaders:
+                return False
+            seg.mm[1 + slot] = 1
+            return True
+
+    def num_segments(self) -> int:
+        return len(self._by_name)
 
     def close(self, unlink: bool = False) -> None:
         with self._lock:
@@ -159,6 +180,7 @@ class SegmentPool:
                     except BufferError:
                         pass  # a live view still uses it; the mapping dies with the process
             self._classes.clear()
+            self._by_name.clear()
 
 
 class SegmentReader:
@@ -198,6 +220,13 @@ class SegmentReader:
 
     def release(self, ref: ShmRef, slot: int) -> None:
         _release(self._map(ref.segment), slot)
+
+    def forget(self, prefix: str) -> None:
+        """Drop cached mappings of segments whose files were unlinked (a dead producer's);
+        a mapping still viewed by a live tensor is unmapped when the last view dies."""
+        with self._lock:
+            for name in [n for n in self._maps if n.startswith(prefix)]:
+                del self._maps[name]
 
     def close(self) -> None:
         with self._lock:
@@ -265,6 +294,18 @@ def release_all(value: Any, reader: SegmentReader, slot: int) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             release_all(v, reader, slot)
+
+
+def iter_refs(value: Any):
+    """Every ShmRef in a payload, at any depth."""
+    if isinstance(value, ShmRef):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from iter_refs(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_refs(v)
 
 
 def has_refs(value: Any) -> bool:

@@ -93,3 +93,14 @@ class Sleeper(nn.Module):
         if delay:
             time.sleep(delay)
         return x
+
+
+class SlowToBuild(nn.Module):
+    """Identity that takes `build_s` seconds to construct (a model still loading)."""
+
+    def __init__(self, build_s: float = 60.0):
+        super().__init__()
+        time.sleep(build_s)
+
+    def forward(self, x):
+        return x

@@ -30,8 +30,11 @@ from omnistage.runtime.messages import (
     Abort,
     Deliver,
     Emit,
+    ForgetSegments,
     PermitFreed,
+    PermitsTaken,
     Ready,
+    ReleaseSlots,
     Shutdown,
     StartFailed,
     StatsQuery,
@@ -152,7 +155,6 @@ class Worker:
         self.engine: StageEngine | None = None
         self.active: set[str] = set()  # added to the engine, not finished
         self.waiting_permits: dict[str, list[tuple]] = {}  # rid -> deferred actions (FIFO)
-        self.unreported_permits: dict[str, list[int]] = {}
         self.stats = _Stats()
         self.running = True
         self.send_lock = threading.Lock()
@@ -165,7 +167,18 @@ class Worker:
         try:
             while True:
                 msg = recv_msg(self.conn)
-                if isinstance(msg, StatsQuery):
+                if isinstance(msg, Shutdown) and self.engine is None:
+                    # still building the engine (maybe for minutes): nothing to drain or
+                    # unlink yet, so leave now instead of after the build
+                    os._exit(0)
+                if isinstance(msg, ReleaseSlots):
+                    # a reader of our segments died: the orchestrator frees the slots it held
+                    # (the pool checks each segment is still in the use the slot belongs to)
+                    for segment, use, slot in msg.slots:
+                        self.pool.force_release(segment, use, slot)
+                elif isinstance(msg, ForgetSegments):
+                    self.reader.forget(msg.prefix)
+                elif isinstance(msg, StatsQuery):
                     # answered off the engine thread so a long step does not delay it, and off
                     # this thread so the inbox keeps draining while the reply waits to be sent
                     threading.Thread(target=self._reply_stats, args=(msg.seq,), daemon=True).start()
@@ -285,7 +298,9 @@ class Worker:
                 for g in got:
                     self.cfg.permits[g].release()
                 return False
-        self.unreported_permits[rid] = got
+        # reported at once: from here on the orchestrator owns these permits and returns them,
+        # also when this process dies before its first emission for the request
+        self.send(PermitsTaken(rid, tuple(got)))
         return True
 
     def _admit_waiting(self) -> None:
@@ -295,14 +310,9 @@ class Worker:
             for action in self.waiting_permits.pop(rid):
                 self._apply(action, permitted=True)
 
-    def _release_unreported(self, rid: str) -> None:
-        for idx in self.unreported_permits.pop(rid, ()):
-            self.cfg.permits[idx].release()
-
     def _abort(self, rid: str) -> None:
         self.assembler.drop(rid)
         self.waiting_permits.pop(rid, None)
-        self._release_unreported(rid)
         if rid in self.active:
             self.active.discard(rid)
             self.stats.outcomes["aborted"] += 1
@@ -357,8 +367,7 @@ class Worker:
                     if edges:
                         outputs[port] = encode(value, self.pool, len(edges))
             finished = em.finished or em.error is not None
-            acquired = tuple(self.unreported_permits.pop(rid, ()))
-            self.send(Emit(rid, outputs, finished, em.error, em.error_kind, em.progress, acquired))
+            self.send(Emit(rid, outputs, finished, em.error, em.error_kind, em.progress))
             if finished:
                 if rid in self.active or em.error is not None:
                     self.stats.outcomes["ok" if em.error is None else "error"] += 1

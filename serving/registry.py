@@ -51,7 +51,8 @@ class PipelineEntry:
 
     def describe(self) -> dict[str, Any]:
         """Readiness detail for /ready: the pipeline's state and each stage's."""
-        stage_ready = _stage_readiness(self.pipeline) if self.pipeline is not None else {}
+        # local state of the runtime (every replica of the stage ready): asks no worker
+        stage_ready = self.pipeline.stage_ready() if self.pipeline is not None else {}
         ready = self.is_ready()
         stages = {name: {"ready": stage_ready.get(name, ready)} for name in self.stage_names}
         out: dict[str, Any] = {"ready": ready, "state": self.state, "stages": stages}
@@ -60,19 +61,6 @@ class PipelineEntry:
         if self.load_seconds is not None:
             out["load_seconds"] = round(self.load_seconds, 3)
         return out
-
-
-def _stage_readiness(pipeline: Any) -> dict[str, bool]:
-    """Per-stage readiness (every replica of the stage ready), without asking the workers."""
-    try:
-        fn = getattr(pipeline, "stage_ready", None)
-        if callable(fn):
-            return {k: bool(v) for k, v in fn().items()}
-        # The orchestrator's replica table is local state: reading it blocks nothing.
-        replicas = pipeline._orch.replicas
-        return {stage: bool(reps) and all(r.ready for r in reps) for stage, reps in replicas.items()}
-    except Exception:  # noqa: BLE001 - readiness falls back to the pipeline's own flag
-        return {}
 
 
 def config_stem(config: str | Path) -> str:

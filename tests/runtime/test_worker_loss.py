@@ -1,0 +1,136 @@
+"""Closing during start-up, and what a dead worker held (edge permits, shared-memory slots)."""
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from omnistage.errors import WorkerDiedError
+
+SLOW_BUILD_YAML = """
+name: slow-build
+inputs: {x: tensor}
+outputs: {y: tensor}
+stages:
+  loading:
+    kind: torch_module
+    params:
+      factory: omnistage.runtime.testmodules:SlowToBuild
+      kwargs: {build_s: 120}
+      inputs: {x: tensor}
+      outputs: {y: tensor}
+    batching: {policy: none}
+    pool: {replicas: 2}
+edges:
+  - {from: inputs.x, to: loading.x}
+  - {from: loading.y, to: outputs.y}
+"""
+
+# `a` holds each request for params.a.delay seconds, then `b` for params.b.delay; at most one
+# request is between a and b-finished (max_inflight: 1), so one leaked permit starves the edge.
+LOSS_YAML = """
+name: worker-loss
+inputs: {x: tensor}
+outputs: {y: tensor}
+stages:
+  a:
+    kind: torch_module
+    params: {factory: "omnistage.runtime.testmodules:Sleeper", inputs: {x: tensor}, outputs: {y: tensor}, pass_params: true}
+    batching: {policy: none}
+  b:
+    kind: torch_module
+    params: {factory: "omnistage.runtime.testmodules:Sleeper", inputs: {x: tensor}, outputs: {y: tensor}, pass_params: true}
+    batching: {policy: none}
+edges:
+  - {from: inputs.x, to: a.x}
+  - {from: a.y, to: b.x, max_inflight: 1}
+  - {from: b.y, to: outputs.y}
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _segments(prefix):
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))
+
+
+def test_close_while_replicas_are_still_starting_is_quick():
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    p = Pipeline.from_spec(load_pipeline_text(SLOW_BUILD_YAML, "slow-build.yaml"), wait_ready=False)
+    pids = [pid for reps in p.worker_pids().values() for pid in reps]
+    assert len(pids) == 2 and all(pid is not None and _alive(pid) for pid in pids)
+    assert not p.ready and p.stage_ready() == {"loading": False}
+    t0 = time.monotonic()
+    p.close(drain_timeout=30)
+    took = time.monotonic() - t0
+    assert took < 5.0, f"close() during start-up took {took:.1f}s"
+    assert not [pid for pid in pids if _alive(pid)]
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:slow-build:")]
+    assert not _segments(p.shm_prefix)
+    assert p.stage_ready() == {"loading": False}
+
+
+@pytest.fixture(scope="module")
+def loss():
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    p = Pipeline.from_spec(load_pipeline_text(LOSS_YAML, "worker-loss.yaml"), ready_timeout=120)
+    yield p
+    p.close(drain_timeout=5)
+
+
+def _kill_while_holding(p, stage, x):
+    """Send a request that `stage` holds for 30 s, SIGKILL that worker, expect WorkerDiedError."""
+    result: dict = {}
+    params = {"a": {"delay": 30.0 if stage == "a" else 0.0}, "b": {"delay": 30.0 if stage == "b" else 0.0}}
+
+    def call():
+        try:
+            result["out"] = p.run({"x": x}, params=params, timeout=60)
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 20
+    while p.replica_stats()[stage][0].get("inflight", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.replica_stats()[stage][0].get("inflight", 0) == 1
+    os.kill(p.worker_pids()[stage][0], signal.SIGKILL)
+    t.join(30)
+    assert isinstance(result.get("error"), WorkerDiedError), result
+    p.wait_ready(60)
+
+
+def test_dead_workers_leak_no_permit_and_no_shared_memory(loss):
+    x = torch.randn(100_000)  # 400 KB: travels through /dev/shm on every edge
+
+    def round_trip():
+        # a leaked permit on the max_inflight: 1 edge would hold this request until its deadline
+        return torch.equal(loss.run({"x": x}, timeout=20)["y"], x)
+
+    assert round_trip()
+    baseline = len(_segments(loss.shm_prefix))
+    # `a` dies holding the edge's only permit and the caller's input slot; `b` dies holding
+    # a's output slot
+    for stage in ("a", "b", "a", "b", "a"):
+        _kill_while_holding(loss, stage, x)
+        assert round_trip(), f"requests stopped flowing after {stage} died"
+    deadline = time.monotonic() + 5
+    while len(_segments(loss.shm_prefix)) > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert round_trip()
+    assert len(_segments(loss.shm_prefix)) <= baseline + 1, _segments(loss.shm_prefix)
