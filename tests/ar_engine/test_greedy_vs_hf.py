@@ -90,3 +90,24 @@ def test_prefix_cache_hits_across_requests_and_salt(qwen2_gqa_tied):
     assert second[("b", 0)]["outputs"][-1].num_cached_tokens == 96  # 6 full blocks of 16
     assert third[("c", 0)]["outputs"][-1].num_cached_tokens == 0  # another tenant's salt
     assert_pool_full(engine)
+
+
+def test_intermediate_hidden_states_match_transformers(qwen2_untied):
+    """Layers other than the final one (the last layer then skips rows it does not need)."""
+    path, hf_model = qwen2_untied
+    rng = random.Random(9)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 40, 75)]
+    engine = LLMEngine(EngineConfig(model_path=path, max_num_batched_tokens=32, hidden_state_layers=(0, 2)))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"h{i}", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    results = run_to_completion(engine)
+    for i, p in enumerate(prompts):
+        got = results[(f"h{i}", 0)]
+        seq = p + got["tokens"][:-1]  # every position that was fed through the model
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        for layer in (0, 2):
+            ours = torch.cat([o.hidden_states[layer] for o in got["outputs"] if o.hidden_states], dim=0)
+            torch.testing.assert_close(ours, ref[layer][0], atol=1e-4, rtol=1e-4)
+        assert got["tokens"] == hf_greedy(hf_model, p, 6)[0]
+    assert_pool_full(engine)
