@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -29,7 +30,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+# libgomp reads this when torch loads. With the default (spin before sleeping), OpenMP threads
+# on this shared 2-core machine burn ~3x the CPU of the work itself whenever anything else runs
+# (measured: docs/bench-diffusion.md). Every system here (this process and omnistage's
+# workers, which inherit the environment) gets the same passive setting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_OMP_POLICY_APPLIED_HERE = "torch" not in sys.modules
+
+import torch  # noqa: E402
 
 from omnistage.bench.diffusion_baselines import (
     GUIDANCE_SCALE,
@@ -300,7 +308,7 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
             systems = {
                 "serial": lambda: run_serial(ref, sat_requests),
                 "request_batching": lambda: run_request_batching(ref, sat_requests, cfg.max_batch_size),
-                "ideal": lambda: run_ideal(ref, sat_requests, cfg.max_batch_size),
+                "ideal": lambda: _in_thread(run_ideal, ref, sat_requests, cfg.max_batch_size),
                 "omnistage": lambda: run_omnistage(pipe, sat_requests),
             }
             results = {}
@@ -392,6 +400,26 @@ def _dump_partial(path: Path | None, data: dict) -> None:
         path.write_text(json.dumps({"partial": True, **data}, indent=2, default=float))
 
 
+def _in_thread(fn, *args):
+    """Run fn in a fresh thread, as the serial and request-batching systems serve theirs."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def _rotated(names: list[str], k: int) -> list[str]:
     k %= len(names)
     return names[k:] + names[:k]
@@ -408,6 +436,8 @@ def _config_summary(cfg: BenchConfig, model_dir: Path) -> dict:
         "mixed": {"requests": cfg.mixed_requests, "small_steps": cfg.mixed_small_steps,
                   "large_steps": cfg.mixed_large_steps, "traces": cfg.mixed_traces, "load": cfg.load},
         "torch": torch.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy_applied_in_bench_process": _OMP_POLICY_APPLIED_HERE,
     }
 
 
