@@ -161,7 +161,7 @@ def test_abort_mid_stream_frees_kv_blocks(pipeline):
     async def start_and_leave():
         n = 0
         async for chunk in pipeline.stream(ask(PROMPTS[3]),
-                                           {"llm": {"max_tokens": 500, "ignore_eos": True}}):
+                                           {"llm": {"max_tokens": 2000, "ignore_eos": True}}):
             if chunk.port == "tokens":
                 n += 1
                 if n == 3:
@@ -180,4 +180,4 @@ def test_abort_mid_stream_frees_kv_blocks(pipeline):
     assert stats["kv_blocks_total"] == 1024
     time.sleep(0.5)
     generated = pipeline.stage_stats()["llm"]["generated_tokens"] - before
-    assert 3 <= generated < 250  # the abort stopped it long before its 500 tokens
+    assert 3 <= generated < 1000  # the abort stopped it long before its 2000 tokens
