@@ -134,3 +134,26 @@ def test_dead_workers_leak_no_permit_and_no_shared_memory(loss):
         time.sleep(0.05)
     assert round_trip()
     assert len(_segments(loss.shm_prefix)) <= baseline + 1, _segments(loss.shm_prefix)
+
+
+def test_force_release_never_touches_a_later_use_of_the_segment():
+    from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix
+
+    prefix = f"omnistage-test-{os.getpid()}-force"
+    pool, reader = SegmentPool(prefix), SegmentReader()
+    try:
+        first = pool.put(torch.arange(20_000, dtype=torch.float32), nreaders=2)
+        reader.release(first, 0)
+        assert pool.force_release(first.segment, first.use, 1)  # a dead reader's slot
+        second = pool.put(torch.ones(20_000), nreaders=2)
+        assert second.segment == first.segment and second.use == first.use + 1  # reused once free
+        # a late release on behalf of the first use must leave the second use's readers alone
+        assert not pool.force_release(first.segment, first.use, 0)
+        view = reader.tensor(second, 0)
+        third = pool.put(torch.zeros(20_000), nreaders=1)
+        assert third.segment != second.segment  # slot 1 of the second use is still held
+        assert torch.equal(view, torch.ones(20_000))
+    finally:
+        reader.close()
+        pool.close(unlink=True)
+        cleanup_prefix(prefix)
