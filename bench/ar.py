@@ -177,24 +177,39 @@ def _orchestrate(args, argv: list[str]) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
+    # Runs are interleaved (round r runs every system once, each in a fresh process), so a
+    # change in the shared machine's load hits every system alike instead of whichever
+    # system happened to run at that moment. Round 0 also does the greedy check and the
+    # prefix-cache part.
     results: dict[str, dict] = {}
+    rounds = job["runs"]
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
-        job_path = Path(tmp) / "job.json"
-        job_path.write_text(json.dumps(job))
-        for system in systems:
-            print(f"bench ar: running {system} ...", file=sys.stderr, flush=True)
-            res = _run_subprocess(system, job_path, Path(tmp) / f"{system}.json",
-                                  timeout=300 if args.quick else 3600)
-            results[system] = res
-            if "error" in res:
-                print(f"bench ar: {system} FAILED: {res['error'][-800:]}", file=sys.stderr)
-            else:
-                agg = aggregate(res["runs"])
-                print(f"bench ar: {system}: {agg['output_tok_s']['median']:.1f} tok/s "
-                      f"(ttft p50 {agg['ttft_ms_p50']['median']:.0f} ms, tpot p50 "
-                      f"{agg['tpot_ms_p50']['median']:.1f} ms, peak RSS "
+        for r in range(rounds):
+            job_path = Path(tmp) / f"job{r}.json"
+            job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0,
+                                            "prefix_runs": rounds}))
+            for system in systems:
+                if "error" in results.get(system, {}):
+                    continue
+                print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr,
+                      flush=True)
+                res = _run_subprocess(system, job_path, Path(tmp) / f"{system}{r}.json",
+                                      timeout=300 if args.quick else 3600)
+                if "error" in res:
+                    print(f"bench ar: {system} FAILED: {res['error'][-800:]}", file=sys.stderr)
+                    results[system] = res
+                    continue
+                run = res["runs"][0]
+                print(f"bench ar: {system}: {run['output_tok_s']:.1f} tok/s (ttft p50 "
+                      f"{run['ttft_ms_p50']:.0f} ms, tpot p50 {run['tpot_ms_p50']:.1f} ms, peak RSS "
                       f"{res['peak_rss_mb']:.0f} MiB, {res['process_wall_s']:.0f}s)",
                       file=sys.stderr, flush=True)
+                if system not in results:
+                    results[system] = res
+                else:
+                    merged = results[system]
+                    merged["runs"] += res["runs"]
+                    merged["peak_rss_mb"] = max(merged["peak_rss_mb"], res["peak_rss_mb"])
 
     out = {
         "bench": "ar", "quick": args.quick,

@@ -78,7 +78,7 @@ def run_hf_serial(job: dict) -> dict:
                     metrics.tpot_s.append(v)
             metrics.wall_s = time.perf_counter() - t0
             runs.append(metrics.summary())
-        reference = _greedy_reference(model, job)
+        reference = _greedy_reference(model, job) if job.get("extras", True) else None
     return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "greedy_reference": reference,
             "settings": {"attn_implementation": "sdpa", "threads": torch.get_num_threads(),
                          "requests_timed": k,
@@ -374,6 +374,9 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
         runs.append(metrics.summary())
         print(f"bench ar: omnistage run {r + 1}/{job['runs']}: {metrics.tok_s:.1f} tok/s", flush=True)
 
+    if not job.get("extras", True):
+        return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "mode": driver.mode,
+                "settings": settings}
     # greedy check requests: tokens + logprobs
     res, _, _ = driver.run_all(job["check_prompts"],
                                [params(n, "check", logprobs=0) for n in job["check_output_lens"]])
@@ -395,7 +398,7 @@ def _prefix_part(driver, job: dict) -> dict:
     spec = job["prefix"]
     prompts, n = spec["prompts"], spec["output_len"]
     result = {"cached": [], "uncached": [], "cached_share": []}
-    for r in range(job["runs"]):
+    for r in range(job.get("prefix_runs", job["runs"])):
         for mode in ("uncached", "cached"):
             ttfts, cached, total = [], 0, 0
             for i, prompt in enumerate(prompts):
