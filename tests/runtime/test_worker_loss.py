@@ -105,10 +105,16 @@ def _kill_while_holding(p, stage, x):
 
     t = threading.Thread(target=call)
     t.start()
+    # routed there (the hub's own table), then inside its engine (the worker's figures; on a
+    # loaded machine those were seen to lag, so after 3 s the routing alone will do: the
+    # request sleeps 30 s there)
     deadline = time.monotonic() + 20
-    while p.replica_stats()[stage][0].get("inflight", 0) == 0 and time.monotonic() < deadline:
+    while p.replica_stats()[stage][0]["held_requests"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert p.replica_stats()[stage][0].get("inflight", 0) == 1
+    assert p.replica_stats()[stage][0]["held_requests"] == 1
+    settle = time.monotonic() + 3
+    while p.replica_stats()[stage][0].get("inflight", 0) == 0 and time.monotonic() < settle:
+        time.sleep(0.02)
     os.kill(p.worker_pids()[stage][0], signal.SIGKILL)
     t.join(30)
     assert isinstance(result.get("error"), WorkerDiedError), result
@@ -123,17 +129,30 @@ def test_dead_workers_leak_no_permit_and_no_shared_memory(loss):
         return torch.equal(loss.run({"x": x}, timeout=20)["y"], x)
 
     assert round_trip()
-    baseline = len(_segments(loss.shm_prefix))
-    # `a` dies holding the edge's only permit and the caller's input slot; `b` dies holding
-    # a's output slot
-    for stage in ("a", "b", "a", "b", "a"):
+    # `a` dies holding the edge's only permit and a slot of the caller's input segment; then
+    # `b` dies (three times, all against the same `a` process) holding a slot of a's output
+    for stage in ("a", "a", "a", "b", "b", "b"):
         _kill_while_holding(loss, stage, x)
         assert round_trip(), f"requests stopped flowing after {stage} died"
+    for _ in range(3):
+        assert round_trip()
+    pids = {s: reps[0] for s, reps in loss.worker_pids().items()}
+
+    def files_by_owner():
+        owners: dict[str, list[str]] = {}
+        for name in _segments(loss.shm_prefix):
+            owner = "parent" if "-parent-" in name else next((s for s, pid in pids.items() if f"-{pid}-" in name), "dead")
+            owners.setdefault(owner, []).append(name)
+        return owners
+
     deadline = time.monotonic() + 5
-    while len(_segments(loss.shm_prefix)) > baseline and time.monotonic() < deadline:
+    while "dead" in files_by_owner() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert round_trip()
-    assert len(_segments(loss.shm_prefix)) <= baseline + 1, _segments(loss.shm_prefix)
+    owners = files_by_owner()
+    assert "dead" not in owners, owners  # dead workers' files are unlinked
+    # a producer needs at most two segments here (one may still be viewed by the consumer of
+    # the previous request); slots a dead reader never released would add one per death
+    assert all(len(names) <= 2 for names in owners.values()), owners
 
 
 def test_force_release_never_touches_a_later_use_of_the_segment():
