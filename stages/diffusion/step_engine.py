@@ -5,20 +5,17 @@ to `StepEngine.step()` runs ONE transformer forward for a group of requests from
 bucket (equal latent shape / conditioning length / model), each at its own timestep, then
 advances each of them by one scheduler step. Requests join and leave between steps.
 
-Bucket policy (weighted fair queueing over latent-token work):
-- each bucket carries a virtual time; the bucket with the smallest one is served next
-  (ties: the least recently served bucket, so a newly active bucket goes first);
-- serving a bucket adds the work of that forward (rows x latent tokens) to its virtual time,
-  so a bucket of 4x bigger latents is served ~1/4 as often: buckets share denoiser time
-  equally, a big request never holds small ones behind it (no head-of-line blocking);
-- a bucket that becomes active starts at the smallest virtual time among active buckets (the
-  system's virtual clock), so it cannot starve others by arriving with an old credit, and it
-  is never starved: virtual times only grow, and the minimum is served unless another
-  bucket is within the lead allowance (below);
-- first steps go first: a bucket whose next batch would start a waiting request is served
-  ahead of the fair order if its virtual time is at most one forward's work (the largest seen)
-  above the minimum - new requests start at the next step boundary, and the lead is bounded,
-  so the fairness and no-starvation guarantees keep a slack of one big forward.
+Bucket policy (least remaining work first, with an aging bound):
+- the engine serves the active bucket whose next batch is closest to finishing a request:
+  priority = (fewest remaining steps among the batch's requests) x (the batch's work, rows x
+  latent tokens), i.e. the denoiser work until that bucket's next completion. A small request
+  arriving while a big one runs is served from the next step boundary and finishes first;
+- aging: every forward adds its work to the `passed_over` count of each other active bucket.
+  A bucket passed over for more than `aging_factor` x its own next forward's work (or, when
+  `aging_wait_s` is set, not served for that many seconds) is served next, so a big request
+  always gets at least ~1/(1 + aging_factor) of the denoiser while it is active: no
+  starvation. Several aged buckets: the most passed over (relative to its forward) first;
+- ties: the least recently served bucket, then arrival order.
 Within a bucket, requests join the forward in arrival order under the per-step budget
 (max_batch_size images and optionally max_latent_tokens); the oldest request always fits.
 """
@@ -52,7 +49,8 @@ class StepEvent:
 class _Bucket:
     key: Hashable
     states: list[DenoiseState] = field(default_factory=list)
-    vtime: float = 0.0
+    passed_over: float = 0.0  # other buckets' forward work since this one was last served
+    waiting_since: float = 0.0  # clock() when last served or (re)activated
     forwards: int = 0
     last_served: int = -1  # engine forward counter when last served (-1: never)
 
@@ -65,9 +63,15 @@ class StepEngine:
         max_latent_tokens: int | None = None,
         step_log_limit: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        aging_factor: float = 4.0,
+        aging_wait_s: float | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if aging_factor < 0:
+            raise ValueError("aging_factor must be >= 0")
+        self.aging_factor = float(aging_factor)
+        self.aging_wait_s = aging_wait_s
         self.adapter = adapter
         self.max_batch_size = max_batch_size
         self.max_latent_tokens = max_latent_tokens
@@ -76,8 +80,6 @@ class StepEngine:
         self.clock = clock
         self._buckets: dict[Hashable, _Bucket] = {}
         self._index: dict[str, DenoiseState] = {}
-        self._vclock = 0.0
-        self._lead_allowance = 0.0  # the largest single forward's work seen so far
         self._stepping = False
         self._deferred_aborts: set[str] = set()
         self.completed = 0
@@ -99,8 +101,9 @@ class StepEngine:
         bucket = self._buckets.get(state.bucket)
         if bucket is None:
             bucket = self._buckets[state.bucket] = _Bucket(state.bucket)
-        if not bucket.states:  # (re)activated: start at the system's virtual clock
-            bucket.vtime = max(bucket.vtime, self._system_vtime())
+        if not bucket.states:  # (re)activated: its aging starts now
+            bucket.passed_over = 0.0
+            bucket.waiting_since = self.clock()
         bucket.states.append(state)
         self._index[state.request_id] = state
 
@@ -123,7 +126,7 @@ class StepEngine:
         if bucket is not None:
             bucket.states = [s for s in bucket.states if s.request_id != request_id]
             if not bucket.states:
-                # keep the vtime for a later re-activation; forget empty buckets when many
+                # keep the (empty) bucket for a later re-activation; forget them when many
                 if len(self._buckets) > 64:
                     del self._buckets[bucket.key]
         self.adapter.forget(request_id)
@@ -158,29 +161,37 @@ class StepEngine:
             "queue_wait_ms_mean": 1000.0 * self.queue_wait_s_total / max(1, self.queue_wait_count),
         }
 
-    def bucket_vtimes(self) -> dict[Hashable, float]:
-        """Virtual time of every active bucket (the fair order: smallest served first)."""
-        return {b.key: b.vtime for b in self._buckets.values() if b.states}
+    def bucket_priorities(self) -> dict[Hashable, float]:
+        """Remaining-work priority of every active bucket (smallest served first, unless aged)."""
+        return {b.key: self._remaining_work(b) for b in self._buckets.values() if b.states}
 
     # -- scheduling -----------------------------------------------------------------------
-    def _system_vtime(self) -> float:
-        active = [b.vtime for b in self._buckets.values() if b.states]
-        return min(active) if active else self._vclock
+    def _remaining_work(self, bucket: _Bucket) -> float:
+        batch = self.pick_batch(bucket)
+        return float(min(s.total_steps - s.step_index for s in batch) * sum(s.cost for s in batch))
+
+    def _aged(self, bucket: _Bucket, now: float) -> float | None:
+        """How far past its aging bound the bucket is (None: within it)."""
+        own = float(sum(s.cost for s in self.pick_batch(bucket)))
+        over = bucket.passed_over / max(own, 1.0)
+        if over > self.aging_factor:
+            return over
+        if self.aging_wait_s is not None and now - bucket.waiting_since > self.aging_wait_s:
+            return float("inf")
+        return None
 
     def pick_bucket(self) -> _Bucket | None:
         active = [b for b in self._buckets.values() if b.states]
         if not active:
             return None
-        order = lambda b: (b.vtime, b.last_served, b.states[0].arrival)  # noqa: E731
-        floor = min(b.vtime for b in active)
-        # first steps go first: a bucket whose next batch would start a waiting request may run
-        # ahead of the fair order, but by at most one forward's work (bounded lead: fairness
-        # and the no-starvation guarantee hold, with a slack of one big forward)
-        fresh = [
-            b for b in active
-            if b.vtime <= floor + self._lead_allowance and any(s.first_step_at is None for s in self.pick_batch(b))
-        ]
-        return min(fresh or active, key=order)
+        if len(active) == 1:
+            return active[0]
+        now = self.clock()
+        aged = [(a, b) for b in active if (a := self._aged(b, now)) is not None]
+        if aged:
+            return max(aged, key=lambda ab: (ab[0], -ab[1].last_served))[1]
+        order = lambda b: (self._remaining_work(b), b.last_served, b.states[0].arrival)  # noqa: E731
+        return min(active, key=order)
 
     def pick_batch(self, bucket: _Bucket) -> list[DenoiseState]:
         batch: list[DenoiseState] = []
@@ -246,12 +257,14 @@ class StepEngine:
                 except Exception as exc:  # noqa: BLE001
                     failed[s.request_id] = exc
         duration = self.clock() - t0
-        work = sum(s.cost for s in batch)
-        bucket.vtime += work
-        self._lead_allowance = max(self._lead_allowance, float(work))
+        work = float(sum(s.cost for s in batch))
+        for other in self._buckets.values():
+            if other is not bucket and other.states:
+                other.passed_over += work
+        bucket.passed_over = 0.0
+        bucket.waiting_since = self.clock()
         bucket.forwards += 1
         bucket.last_served = self.forwards_total
-        self._vclock = max(self._vclock, self._system_vtime())
         self._log(
             StepRecord(
                 request_ids=tuple(s.request_id for s in batch),
