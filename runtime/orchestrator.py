@@ -76,6 +76,11 @@ def preload_modules() -> list[str]:
 
 
 def mp_context():
+    # Stage workers share the machine's cores; an OpenMP thread that spin-waits for its
+    # partner steals the core another stage needs (measured 3-10x slower forwards on a busy
+    # 2-core host). The fork server reads this when it imports torch, so set it first;
+    # an explicit OMP_WAIT_POLICY in the environment wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(preload_modules())  # only matters before the fork server starts
     return ctx

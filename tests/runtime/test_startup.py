@@ -1,5 +1,6 @@
 """Start-up failures are reported clearly and leave nothing running."""
 
+import os
 import multiprocessing
 
 import pytest
@@ -28,3 +29,13 @@ def test_missing_device_is_a_clear_start_error():
     with pytest.raises(StageError, match=r"cuda:63 is not available"):
         Pipeline.from_spec(spec, ready_timeout=60)
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:bad-device:")]
+
+
+def test_workers_wait_passively_for_openmp_partners(diamond):
+    # Spin-waiting OpenMP threads steal the cores other stages need; workers default to PASSIVE.
+    pids = [pid for reps in diamond.worker_pids().values() for pid in reps if pid]
+    assert pids
+    for pid in pids:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
+        assert b"OMP_WAIT_POLICY=" + expected in env
