@@ -31,14 +31,16 @@ class DenoiserStage(StageEngine):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "DENOISER")
         b = ctx.batching
+        p = ctx.params or {}
         self.engine = StepEngine(
             self.adapter,
             max_batch_size=int(getattr(b, "max_batch_size", 8) or 8),
             max_latent_tokens=getattr(b, "max_latent_tokens", None),
+            aging_factor=float(p.get("aging_factor", 4.0)),
+            aging_wait_s=p.get("aging_wait_s"),
         )
         self.step_log = self.engine.step_log
         self._errors: list[Emission] = []
-        p = ctx.params or {}
         # request-size limits (stage params): a request beyond them fails as invalid_request
         self.limits = {
             "num_inference_steps": int(p.get("max_inference_steps", 1000)),
@@ -54,6 +56,10 @@ class DenoiserStage(StageEngine):
             value = (params or {}).get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 problems.append(f"{key} must be a positive integer, got {value!r}")
+        for key in ("aging_factor", "aging_wait_s"):
+            value = (params or {}).get(key)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
+                problems.append(f"{key} must be a number >= 0, got {value!r}")
         return problems
 
     def _check_limits(self, params: GenerationParams) -> None:
