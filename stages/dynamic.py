@@ -258,3 +258,36 @@ class DynamicBatchEngine(StageEngine):
             self.errors_total += 1
             return error_emission(rid, exc)
         return Emission(rid, outputs=dict(chunk or {}))
+
+
+class PreparedBatchEngine(DynamicBatchEngine):
+    """Dynamic batching for stages that parse each request once, when it is added.
+
+    `prepare(request)` returns a tuple whose element 1 is the request's batch key; a raised
+    `prepare_errors` exception is kept instead and handed back by `forward_batch` as that
+    request's own failure. Subclasses pop their entries from `self._parsed` in forward_batch.
+    """
+
+    prepare_errors: tuple[type[BaseException], ...] = (Exception,)
+
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        self._parsed: dict[str, Any] = {}  # request id -> prepare()'s tuple or its error
+
+    def prepare(self, request: StageRequest) -> tuple:
+        raise NotImplementedError
+
+    def add(self, request: StageRequest) -> None:
+        try:
+            self._parsed[request.request_id] = self.prepare(request)
+        except self.prepare_errors as exc:
+            self._parsed[request.request_id] = exc
+        super().add(request)
+
+    def abort(self, request_id: str) -> None:
+        self._parsed.pop(request_id, None)
+        super().abort(request_id)
+
+    def batch_key(self, request: StageRequest) -> Hashable:
+        parsed = self._parsed.get(request.request_id)
+        return parsed[1] if isinstance(parsed, tuple) else ("error", request.request_id)

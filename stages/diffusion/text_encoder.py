@@ -1,7 +1,7 @@
 """Stage kind `text_encoder`: prompt (+ negative prompt) -> prompt embeddings, dynamic batching.
 
-Built on the runtime's DynamicBatchEngine: a batch holds requests with the same
-max_sequence_length; their distinct prompts and negative prompts go through each encoder in
+Built on PreparedBatchEngine (dynamic batching, each request parsed once when added): a batch
+holds requests with the same max_sequence_length; their distinct prompts and negative prompts go through each encoder in
 ONE call.
 Output rows per request: [prompt] or [prompt, negative prompt] (see docs/diffusion.md), plus
 `warnings` (diffusers' truncation notices for over-long prompts).
@@ -9,7 +9,7 @@ Output rows per request: [prompt] or [prompt, negative prompt] (see docs/diffusi
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 
@@ -17,12 +17,12 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageRequest
 from omnistage.stages.diffusion.adapters.base import GenerationParams
 from omnistage.stages.diffusion.loading import build_adapter
-from omnistage.stages.dynamic import DynamicBatchEngine
+from omnistage.stages.dynamic import PreparedBatchEngine
 from omnistage.stages.registry import register_stage
 
 
 @register_stage("text_encoder")
-class TextEncoderStage(DynamicBatchEngine):
+class TextEncoderStage(PreparedBatchEngine):
     inputs = {"prompt": Port("text")}
     outputs = {
         "prompt_embeds": Port("embeddings"),
@@ -35,10 +35,11 @@ class TextEncoderStage(DynamicBatchEngine):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "TEXT_ENCODER")
-        # request id -> (prompts to encode, max_sequence_length) or the request's error
-        self._parsed: dict[str, tuple[list[str], int] | InvalidRequestError] = {}
 
-    def _parse(self, request: StageRequest) -> tuple[list[str], int]:
+    prepare_errors = (InvalidRequestError,)
+
+    def prepare(self, request: StageRequest) -> tuple[list[str], int]:
+        """(prompts to encode, max_sequence_length); the latter is the batch key."""
         raw = dict(request.params or {})
         prompt = request.inputs.get("prompt", raw.get("prompt"))
         if isinstance(prompt, (list, tuple)) and len(prompt) == 1:
@@ -57,21 +58,6 @@ class TextEncoderStage(DynamicBatchEngine):
         if self.adapter.uses_negative_prompt(params):
             prompts.append(params.negative_prompt or "")
         return prompts, msl
-
-    def add(self, request: StageRequest) -> None:
-        try:
-            self._parsed[request.request_id] = self._parse(request)
-        except InvalidRequestError as exc:
-            self._parsed[request.request_id] = exc
-        super().add(request)
-
-    def abort(self, request_id: str) -> None:
-        self._parsed.pop(request_id, None)
-        super().abort(request_id)
-
-    def batch_key(self, request: StageRequest) -> Hashable:
-        parsed = self._parsed.get(request.request_id)
-        return parsed[1] if isinstance(parsed, tuple) else ("error", request.request_id)
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
         parsed = [self._parsed.pop(r.request_id, None) for r in requests]

@@ -9,19 +9,19 @@ stage param `output: video`), uint8 or float ([0,1]) per the request's `output_t
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any
 
 import torch
 
 from omnistage.stages.base import Port, StageRequest
 from omnistage.stages.diffusion.adapters.base import GenerationParams, to_output
 from omnistage.stages.diffusion.loading import build_adapter
-from omnistage.stages.dynamic import DynamicBatchEngine
+from omnistage.stages.dynamic import PreparedBatchEngine
 from omnistage.stages.registry import register_stage
 
 
 @register_stage("vae_decoder")
-class VaeDecoderStage(DynamicBatchEngine):
+class VaeDecoderStage(PreparedBatchEngine):
     inputs = {"latents": Port("latents")}
     outputs = {"image": Port("image")}
     needs_model = True
@@ -41,27 +41,15 @@ class VaeDecoderStage(DynamicBatchEngine):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "VAE", extra_args=(dict(ctx.params or {}),))
         self.port = next(iter(self.ports(ctx.params)[1]))
-        self._parsed: dict[str, Any] = {}  # request id -> (params, key) or the request's error
 
-    def add(self, request: StageRequest) -> None:
-        try:
-            params = GenerationParams.from_dict(request.params)
-            latents = request.inputs.get("latents")
-            if not isinstance(latents, torch.Tensor):
-                raise ValueError("vae_decoder request without latents")
-            key = self.adapter.batch_key(latents, params)
-            self._parsed[request.request_id] = (params, ("alone", request.request_id) if key is None else key, key is None)
-        except Exception as exc:  # noqa: BLE001
-            self._parsed[request.request_id] = exc
-        super().add(request)
-
-    def abort(self, request_id: str) -> None:
-        self._parsed.pop(request_id, None)
-        super().abort(request_id)
-
-    def batch_key(self, request: StageRequest) -> Hashable:
-        parsed = self._parsed.get(request.request_id)
-        return parsed[1] if isinstance(parsed, tuple) else ("error", request.request_id)
+    def prepare(self, request: StageRequest) -> tuple:
+        """(params, batch key, decode alone?)."""
+        params = GenerationParams.from_dict(request.params)
+        latents = request.inputs.get("latents")
+        if not isinstance(latents, torch.Tensor):
+            raise ValueError("vae_decoder request without latents")
+        key = self.adapter.batch_key(latents, params)
+        return (params, ("alone", request.request_id) if key is None else key, key is None)
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
         parsed = [self._parsed.pop(r.request_id, None) for r in requests]
