@@ -78,7 +78,7 @@ class BenchConfig:
     mixed_large_steps: int = 12
     mixed_traces: int = 3
     load: float = 0.7
-    capacity_samples: int = 2
+    capacity_samples: int = 3
 
     @classmethod
     def make(cls, quick: bool) -> BenchConfig:
@@ -276,12 +276,23 @@ def warm_up(ref, pipe, cfg: BenchConfig) -> None:
     run_omnistage(pipe, [small, large])
 
 
+def service_times(result: RunResult) -> list[float]:
+    """Per-request service time of a serial run: finish minus the later of its arrival and the
+    previous request's finish (latency would also count the queueing behind earlier requests)."""
+    out, free_at = [], None
+    for rec in sorted(result.records, key=lambda r: r.finish):
+        start = rec.arrival if free_at is None else max(rec.arrival, free_at)
+        out.append(rec.finish - start)
+        free_at = rec.finish
+    return out
+
+
 def measure_capacity(ref, cfg: BenchConfig) -> dict:
     """Serial service time per request kind, then capacity on the 2/3 small + 1/3 large mix."""
     small = [BenchRequest(i, PROMPTS[i], 7 + i, SMALL, cfg.mixed_small_steps) for i in range(cfg.capacity_samples)]
     large = [BenchRequest(i, PROMPTS[i], 9 + i, LARGE, cfg.mixed_large_steps) for i in range(cfg.capacity_samples)]
-    t_small = statistics.fmean(r.latency_s for r in run_serial(ref, small).records)
-    t_large = statistics.fmean(r.latency_s for r in run_serial(ref, large).records)
+    t_small = statistics.fmean(service_times(run_serial(ref, small)))
+    t_large = statistics.fmean(service_times(run_serial(ref, large)))
     mean_service = (2 * t_small + t_large) / 3
     return {"service_s_small": t_small, "service_s_large": t_large, "mean_service_s": mean_service,
             "capacity_rps": 1.0 / mean_service, "arrival_rate_rps": cfg.load / mean_service}

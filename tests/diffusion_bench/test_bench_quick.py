@@ -28,3 +28,15 @@ def test_quick_bench_writes_the_json_keys(tmp_path):
     assert data["checks"]["equal_diffusers"] is True
     assert data["config"]["denoiser"]["num_layers"] == 4 and data["config"]["quick"] is True
     assert {"met", "value", "target"} <= set(data["targets"]["throughput_vs_serial"])
+
+
+def test_serial_service_time_excludes_queueing():
+    """Capacity is 1 / mean service time: a request that queued behind another must count only
+    its own service (the latency would count the wait too and understate the capacity)."""
+    from omnistage.bench.diffusion import service_times
+    from omnistage.bench.diffusion_baselines import RequestRecord, RunResult
+
+    t0 = 100.0
+    records = [RequestRecord(0, t0, finish=t0 + 2.0), RequestRecord(1, t0, finish=t0 + 3.0),
+               RequestRecord(2, t0 + 10.0, finish=t0 + 10.5)]  # arrived after the pipeline went idle
+    assert service_times(RunResult(records, 10.5)) == [2.0, 1.0, 0.5]
