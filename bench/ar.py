@@ -32,11 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from omnistage.runtime.openmp import openmp_env
+
 SYSTEMS = ("omnistage", "hf_serial", "hf_static", "hf_generate_batch")
-# Every system runs with passive OpenMP waiting: on a shared, oversubscribed machine torch's
-# default spin-waiting makes 2-thread runs 10x slower (measured: 2.5 vs 21 tok/s for
-# generate() batch 1), which would measure the neighbours, not the systems.
-OMP_ENV = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+# Every system's processes get the same OpenMP wait settings: the runtime's bounded spin
+# (runtime/openmp.py) unless the caller sets OMP_WAIT_POLICY / GOMP_SPINCOUNT itself.
+OMP_ENV = openmp_env()
 LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 

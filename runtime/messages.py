@@ -100,6 +100,14 @@ class Emit:
 
 
 @dataclass(slots=True)
+class EmitBatch:
+    """The emissions of one engine step, in order: one message (one pickle, one wake-up of
+    the hub) instead of one per request — an LLM decode step emits for every sequence."""
+
+    emits: list[Emit]
+
+
+@dataclass(slots=True)
 class StatsReply:
     seq: int
     stats: dict[str, Any]

@@ -41,6 +41,7 @@ from omnistage.runtime.messages import (
     Abort,
     Deliver,
     Emit,
+    EmitBatch,
     ForgetSegments,
     PermitFreed,
     PermitsTaken,
@@ -54,6 +55,7 @@ from omnistage.runtime.messages import (
     recv_msg,
     send_msg,
 )
+from omnistage.runtime.openmp import apply_openmp_defaults
 from omnistage.runtime.shm import SegmentPool, SegmentReader, cleanup_prefix, decode, encode, iter_refs, release_all
 from omnistage.runtime.worker import WorkerConfig, port_out_edges, worker_main
 from omnistage.stages.dynamic import combine_chunks
@@ -76,11 +78,9 @@ def preload_modules() -> list[str]:
 
 
 def mp_context():
-    # Stage workers share the machine's cores; an OpenMP thread that spin-waits for its
-    # partner steals the core another stage needs (measured 3-10x slower forwards on a busy
-    # 2-core host). The fork server reads this when it imports torch, so set it first;
-    # an explicit OMP_WAIT_POLICY in the environment wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Stage workers share the machine's cores: bounded OpenMP spin-waiting (runtime.openmp).
+    # The fork server reads it when it imports torch, so it is set first.
+    apply_openmp_defaults()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(preload_modules())  # only matters before the fork server starts
     return ctx
@@ -707,6 +707,9 @@ class Orchestrator:
     def _on_message(self, r: Replica, msg) -> None:
         if isinstance(msg, Emit):
             self._on_emit(r, msg)
+        elif isinstance(msg, EmitBatch):
+            for emit in msg.emits:
+                self._on_emit(r, emit)
         elif isinstance(msg, PermitsTaken):
             req = self._requests.get(msg.request_id)
             if req is None or req.replicas.get(r.stage) is not r or r.stage not in req.open_stages:

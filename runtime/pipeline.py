@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import queue
+import threading
 import time
 import weakref
 from typing import Any, AsyncIterator, Iterable
@@ -32,6 +33,40 @@ def _close_leftovers() -> None:
             p.close(drain_timeout=0)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+class _LoopInbox:
+    """Hands chunks from the hub thread to one event loop with one wake-up per burst: a decode
+    step delivers a token chunk to every streaming request at once, and a wake-up per chunk
+    (a self-pipe write each) costs the loop more than the chunks themselves."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    def put(self, target: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((target, item))
+            if len(self._items) > 1:
+                return  # a drain is already scheduled and will take this item too
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for target, item in items:
+            target.put_nowait(item)
+
+
+_inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox]" = weakref.WeakKeyDictionary()
+
+
+def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
+    inbox = _inboxes.get(loop)
+    if inbox is None:
+        inbox = _inboxes[loop] = _LoopInbox(loop)  # only the loop's own thread gets here
+    return inbox
 
 
 class Pipeline:
@@ -113,11 +148,11 @@ class Pipeline:
 
     async def stream(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, *,
                      request_id: str | None = None, deadline_s: float | None = None) -> AsyncIterator[OutputChunk]:
-        loop = asyncio.get_running_loop()
+        inbox = _inbox(asyncio.get_running_loop())
         items: asyncio.Queue = asyncio.Queue()
 
         def sink(item: Any) -> None:
-            loop.call_soon_threadsafe(items.put_nowait, item)
+            inbox.put(items, item)
 
         deadline = time.time() + deadline_s if deadline_s is not None else None
         rid = self._orch.submit(inputs, params, sink, request_id, deadline)

@@ -30,6 +30,7 @@ from omnistage.runtime.messages import (
     Abort,
     Deliver,
     Emit,
+    EmitBatch,
     ForgetSegments,
     PermitFreed,
     PermitsTaken,
@@ -358,6 +359,7 @@ class Worker:
             self._send_emissions(emissions)
 
     def _send_emissions(self, emissions: list[Emission]) -> None:
+        emits = []
         for em in emissions:
             rid = em.request_id
             outputs = {}
@@ -367,7 +369,13 @@ class Worker:
                     if edges:
                         outputs[port] = encode(value, self.pool, len(edges))
             finished = em.finished or em.error is not None
-            self.send(Emit(rid, outputs, finished, em.error, em.error_kind, em.progress))
+            emits.append(Emit(rid, outputs, finished, em.error, em.error_kind, em.progress))
+        if not emits:
+            return
+        self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))
+        for em in emissions:
+            rid = em.request_id
+            finished = em.finished or em.error is not None
             if finished:
                 if rid in self.active or em.error is not None:
                     self.stats.outcomes["ok" if em.error is None else "error"] += 1

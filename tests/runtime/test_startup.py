@@ -31,11 +31,16 @@ def test_missing_device_is_a_clear_start_error():
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:bad-device:")]
 
 
-def test_workers_wait_passively_for_openmp_partners(diamond):
-    # Spin-waiting OpenMP threads steal the cores other stages need; workers default to PASSIVE.
+def test_workers_get_the_bounded_openmp_spin(diamond):
+    # Unbounded spin-waiting steals the cores other stages need, sleeping at once slows every
+    # op: workers get the bounded spin of runtime.openmp unless the environment says otherwise.
+    from omnistage.runtime.openmp import openmp_env
+
     pids = [pid for reps in diamond.worker_pids().values() for pid in reps if pid]
     assert pids
+    want = openmp_env()
+    assert want  # the default, or the settings the test run was started with
     for pid in pids:
         env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE").encode()
-        assert b"OMP_WAIT_POLICY=" + expected in env
+        for key, value in want.items():
+            assert f"{key}={value}".encode() in env
