@@ -251,6 +251,7 @@ def paged_attention(
     scale: float,
     layer_index: int,
     out_only: bool = False,
+    kv: torch.Tensor | None = None,  # [N, 2 * kv_heads, d] holding k | v, when they are adjacent already
 ) -> torch.Tensor:
     """Writes this step's K/V into the cache and returns the attention output [N, num_heads * d].
 
@@ -261,7 +262,9 @@ def paged_attention(
     num_slots = kv_cache.shape[2]
     # [2, kvh, slots, d] viewed as [2 * kvh, slots, d]: one index op writes K and V together.
     flat = kv_cache.view(2 * kvh, num_slots, d)
-    flat.index_copy_(1, meta.slot_mapping, torch.cat((k, v), dim=1).transpose(0, 1))
+    if kv is None:
+        kv = torch.cat((k, v), dim=1)
+    flat.index_copy_(1, meta.slot_mapping, kv.transpose(0, 1))
     # ... and as [2 * kvh, num_blocks, block_size * d]: one index_select gathers whole blocks of K and V.
     by_block = kv_cache.view(2 * kvh, -1, meta.block_size * d)
     out = torch.empty(n_tok, n_heads, d, dtype=q.dtype, device=q.device)
@@ -275,7 +278,7 @@ def paged_attention(
             L = plan.rebuild_len
             buf[:, :, :R, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
         else:
-            new_kv = torch.stack((k[:nd], v[:nd])).transpose(1, 2)  # [2, kvh, B, d]
+            new_kv = kv[:nd].view(nd, 2, kvh, d).permute(1, 2, 0, 3)  # [2, kvh, B, d]
             buf[:, :, plan.token_rows, plan.token_pos] = new_kv
         q_rows = q.new_zeros(R, n_heads, d)
         q_rows[plan.token_rows] = q[:nd]

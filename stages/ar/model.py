@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # bit-identical in float32
         # transformers' order: normalize in float32, cast back, then scale (matters in bf16).
         dtype = x.dtype
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
@@ -107,6 +109,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[-sin | sin] by halves: rotate_half(x) * sin == roll(x, half) * signed_sin(sin), exactly."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rotary in place (x may be a strided view, e.g. the q|k columns of the fused qkv
+    output): four kernels instead of six, the same bits."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed.unsqueeze(1))
+    return x.mul_(cos.unsqueeze(1)).add_(rolled)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
@@ -120,9 +135,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, out_rows: torch.Tensor | None = None):
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, out_rows: torch.Tensor | None = None,
+                sin_signed: torch.Tensor | None = None):
         """out_rows: compute queries (and return outputs) for these rows only; K/V for all rows."""
         n = x.shape[0]
+        if out_rows is None and self.q_norm is None and sin_signed is not None:
+            # Common path: rotate q and k together, in place in the fused qkv output, so K|V
+            # stay adjacent and go to the cache without a copy.
+            qkv = self.qkv_proj(x)
+            h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+            apply_rotary_(qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d), cos, sin_signed)
+            q = qkv[:, : self.q_size].view(n, h, d)
+            kv = qkv[:, self.q_size :].view(n, 2 * kvh, d)
+            o = paged_attention(q, kv[:, :kvh], kv[:, kvh:], kv_cache, meta, self.scale, self.layer_index, kv=kv)
+            return self.o_proj(o)
         if out_rows is None:
             qkv = self.qkv_proj(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -163,9 +189,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, out_rows: torch.Tensor | None = None):
+    def forward(self, x, cos, sin, kv_cache, meta, out_rows: torch.Tensor | None = None,
+                sin_signed: torch.Tensor | None = None):
         """out_rows: only these rows leave the layer (the rest only write their K/V)."""
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, out_rows)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, out_rows, sin_signed)
         # Residual adds in place into the fresh projection outputs (a + b == b + a bit for bit).
         x = attn.add_(x if out_rows is None else x[out_rows])
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
@@ -228,6 +255,7 @@ class DecoderModel(nn.Module):
         if self.input_proj is not None:
             x = self.input_proj(x)
         cos, sin = self.rotary(positions, x.dtype)
+        sin_signed = signed_sin(sin)  # shared by every layer
         n_layers = len(self.layers)
         captured: dict[int, torch.Tensor] = {}
         if 0 in capture_layers:
@@ -236,7 +264,7 @@ class DecoderModel(nn.Module):
             raise ValueError("outputs_only cannot capture the final hidden states")
         for i, layer in enumerate(self.layers):
             last = outputs_only and i == n_layers - 1
-            x = layer(x, cos, sin, kv_caches[i], meta, meta.out_rows if last else None)
+            x = layer(x, cos, sin, kv_caches[i], meta, meta.out_rows if last else None, sin_signed)
             if i + 1 in capture_layers and i + 1 != n_layers:
                 captured[i + 1] = x
         x = self.norm(x)
