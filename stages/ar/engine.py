@@ -59,6 +59,7 @@ class LLMEngine:
                 mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, config.dtype, self.device,
                 max_bytes=config.decode_buffer_bytes, max_len=self.max_model_len,
             )
+            self.decode_buffer.reserve(config.max_num_seqs, self.max_model_len)
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         eos = config.eos_token_ids if config.eos_token_ids is not None else mc.eos_token_ids

@@ -50,9 +50,14 @@ def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, request):
         EngineConfig(model_path=path, max_num_batched_tokens=96, max_num_seqs=16, block_size=16,
                      decode_buffer_bytes=decode_buffer_bytes)
     )
+    # Under a roomy cap the decode buffer is allocated once, at start, for max_num_seqs x max_model_len.
+    reserved = engine.decode_buffer.buffers[0] if decode_buffer_bytes == 1 << 30 else None
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3))
     results = run_to_completion(engine)
+    if reserved is not None:
+        assert reserved.shape[2] == 16 and reserved.shape[3] >= engine.max_model_len
+        assert engine.decode_buffer.buffers[0] is reserved  # never regrown
     for i, (tokens, lps) in enumerate(refs):
         got = results[(f"r{i}", 0)]
         assert got["tokens"] == tokens, f"prompt {i} (len {len(prompts[i])})"
