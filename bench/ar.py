@@ -180,8 +180,10 @@ def _orchestrate(args, argv: list[str]) -> int:
             raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     # Runs are interleaved (round r runs every system once, each in a fresh process), so a
     # change in the shared machine's load hits every system alike instead of whichever
-    # system happened to run at that moment. Round 0 also does the greedy check and the
-    # prefix-cache part.
+    # system happened to run at that moment, and the order rotates from round to round: the
+    # machine also slows under sustained load (every system measured ~5-15% slower in rounds
+    # 2-3 than in round 1), which a fixed order would charge to the later systems. Round 0 also
+    # does the greedy check and the prefix-cache part.
     results: dict[str, dict] = {}
     rounds = job["runs"]
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
@@ -189,7 +191,7 @@ def _orchestrate(args, argv: list[str]) -> int:
             job_path = Path(tmp) / f"job{r}.json"
             job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0,
                                             "prefix_runs": rounds}))
-            for system in systems:
+            for system in systems[r % len(systems):] + systems[: r % len(systems)]:
                 if "error" in results.get(system, {}):
                     continue
                 print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr,
@@ -218,6 +220,8 @@ def _orchestrate(args, argv: list[str]) -> int:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "device": args.device, "threads": args.threads, "env": OMP_ENV,
                     "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
+        "rounds": {"count": job["runs"], "order": "every system once per round, each in a fresh "
+                   "process; the order rotates by one system per round"},
         **meta, "systems": {}, "ratios": {}, "checks": {},
     }
     for system, res in results.items():
