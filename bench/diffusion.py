@@ -48,6 +48,7 @@ from omnistage.bench.diffusion_baselines import (
     run_ideal,
     run_request_batching,
     run_serial,
+    service_times,
 )
 from omnistage.bench.diffusion_model import DENOISER_CONFIG, bench_model_dir, load_reference_pipeline
 
@@ -274,17 +275,6 @@ def warm_up(ref, pipe, cfg: BenchConfig) -> None:
     large = BenchRequest(1, PROMPTS[1], 2, LARGE, 1)
     run_serial(ref, [small, large])
     run_omnistage(pipe, [small, large])
-
-
-def service_times(result: RunResult) -> list[float]:
-    """Per-request service time of a serial run: finish minus the later of its arrival and the
-    previous request's finish (latency would also count the queueing behind earlier requests)."""
-    out, free_at = [], None
-    for rec in sorted(result.records, key=lambda r: r.finish):
-        start = rec.arrival if free_at is None else max(rec.arrival, free_at)
-        out.append(rec.finish - start)
-        free_at = rec.finish
-    return out
 
 
 def measure_capacity(ref, cfg: BenchConfig) -> dict:

@@ -81,6 +81,17 @@ class _FirstForwardProbe:
         self._handle.remove()
 
 
+def service_times(result: RunResult) -> list[float]:
+    """Per-request service time of a serial run: finish minus the later of its arrival and the
+    previous request's finish (latency would also count the queueing behind earlier requests)."""
+    out, free_at = [], None
+    for rec in sorted(result.records, key=lambda r: r.finish):
+        start = rec.arrival if free_at is None else max(rec.arrival, free_at)
+        out.append(rec.finish - start)
+        free_at = rec.finish
+    return out
+
+
 def call_pipeline(pipe, requests: list[BenchRequest]) -> torch.Tensor:
     """One diffusers call for requests of equal size and steps: [B, 3, H, W] in [0, 1]."""
     r0 = requests[0]

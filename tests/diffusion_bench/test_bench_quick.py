@@ -33,8 +33,8 @@ def test_quick_bench_writes_the_json_keys(tmp_path):
 def test_serial_service_time_excludes_queueing():
     """Capacity is 1 / mean service time: a request that queued behind another must count only
     its own service (the latency would count the wait too and understate the capacity)."""
-    from omnistage.bench.diffusion import service_times
-    from omnistage.bench.diffusion_baselines import RequestRecord, RunResult
+    # (bench.diffusion itself sets OMP_WAIT_POLICY for its own process when imported)
+    from omnistage.bench.diffusion_baselines import RequestRecord, RunResult, service_times
 
     t0 = 100.0
     records = [RequestRecord(0, t0, finish=t0 + 2.0), RequestRecord(1, t0, finish=t0 + 3.0),
