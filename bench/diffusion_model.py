@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from omnistage.models.unigram_tokenizer import train_unigram_tokenizer
+
 # The benchmark's denoiser, exactly as issue 4 fixes it.
 DENOISER_CONFIG = dict(
     sample_size=64,
@@ -43,38 +45,13 @@ _CORPUS = [
 
 def _tokenizer(style: str, vocab_size: int, max_length: int):
     """A fast tokenizer trained on a fixed corpus. style "clip": <bos> text <eos>; "t5": text </s>."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     if style == "clip":
-        specials = ["<|endoftext|>", "<|startoftext|>", "<unk>"]
-        pad, bos, eos, unk = "<|endoftext|>", "<|startoftext|>", "<|endoftext|>", "<unk>"
-    else:
-        specials = ["<pad>", "</s>", "<unk>"]
-        pad, bos, eos, unk = "<pad>", None, "</s>", "<unk>"
-    tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        unk_token=unk,
-        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789,.!?'-"),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    if bos is not None:
-        single = f"{bos} $A {eos}"
-        special_tokens = [(bos, tok.token_to_id(bos)), (eos, tok.token_to_id(eos))]
-    else:
-        single = f"$A {eos}"
-        special_tokens = [(eos, tok.token_to_id(eos))]
-    tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=special_tokens)
-    kwargs = dict(pad_token=pad, eos_token=eos, unk_token=unk, model_max_length=max_length)
-    if bos is not None:
-        kwargs["bos_token"] = bos
-    return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="right", **kwargs)
+        return train_unigram_tokenizer(
+            _CORPUS, vocab_size, bos="<|startoftext|>", eos="<|endoftext|>", pad="<|endoftext|>",
+            specials=["<|endoftext|>", "<|startoftext|>", "<unk>"], lowercase=True,
+            model_max_length=max_length)
+    return train_unigram_tokenizer(_CORPUS, vocab_size, eos="</s>", pad="<pad>", lowercase=True,
+                                   model_max_length=max_length)
 
 
 def build_bench_sd3(out_dir: Path) -> None:

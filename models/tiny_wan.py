@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from omnistage.models.recipes import register_recipe
+from omnistage.models.unigram_tokenizer import train_unigram_tokenizer
 
 TEXT_DIM = 32
 MAX_SEQUENCE_LENGTH = 64  # what configs pass; the pipeline default (226) also works
@@ -33,33 +34,8 @@ _CORPUS = [
 
 def build_t5_style_tokenizer(vocab_size: int = 256):
     """A transformers fast tokenizer with T5's conventions, trained on a fixed corpus."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.Unigram())
-    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace("  ", " ")])
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "</s>", "<unk>"],
-        unk_token="<unk>",
-        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz0123456789,.!?'-"),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    eos_id = tok.token_to_id("</s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        model_max_length=512,
-        padding_side="right",
-    )
+    return train_unigram_tokenizer(_CORPUS, vocab_size, eos="</s>", pad="<pad>",
+                                   collapse_double_spaces=True, pair_template=True)
 
 
 @register_recipe("tiny-wan", version="1")
