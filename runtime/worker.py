@@ -361,7 +361,6 @@ class Worker:
     def _send_emissions(self, emissions: list[Emission]) -> None:
         emits = []
         for em in emissions:
-            rid = em.request_id
             outputs = {}
             if em.error is None:
                 for port, value in em.outputs.items():
@@ -369,16 +368,15 @@ class Worker:
                     if edges:
                         outputs[port] = encode(value, self.pool, len(edges))
             finished = em.finished or em.error is not None
-            emits.append(Emit(rid, outputs, finished, em.error, em.error_kind, em.progress))
+            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress))
         if not emits:
             return
         self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))
-        for em in emissions:
-            rid = em.request_id
-            finished = em.finished or em.error is not None
-            if finished:
-                if rid in self.active or em.error is not None:
-                    self.stats.outcomes["ok" if em.error is None else "error"] += 1
+        for emit in emits:
+            if emit.finished:
+                rid = emit.request_id
+                if rid in self.active or emit.error is not None:
+                    self.stats.outcomes["ok" if emit.error is None else "error"] += 1
                 self.active.discard(rid)
 
     def snapshot(self) -> dict[str, Any]:

@@ -36,8 +36,7 @@ class DenoiserStage(StageEngine):
             self.adapter,
             max_batch_size=int(getattr(b, "max_batch_size", 8) or 8),
             max_latent_tokens=getattr(b, "max_latent_tokens", None),
-            aging_factor=float(p.get("aging_factor", 4.0)),
-            aging_wait_s=p.get("aging_wait_s"),
+            **{k: p[k] for k in ("aging_factor", "aging_wait_s") if p.get(k) is not None},  # else its defaults
         )
         self.step_log = self.engine.step_log
         self._errors: list[Emission] = []
