@@ -1,8 +1,43 @@
-"""Pipelines shared by the runtime tests (starting worker processes costs seconds)."""
+"""Pipelines shared by the runtime tests (starting worker processes costs seconds), and
+helpers they import (`from omnistage.tests.runtime.conftest import ...`)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+
+def pid_exists(pid: int) -> bool:
+    """True while the process exists, zombies included (os.kill with signal 0)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def slow_build_yaml(build_s: float, replicas: int = 1) -> str:
+    """A one-stage pipeline whose module takes `build_s` seconds to construct (a model still
+    loading), with `replicas` replicas."""
+    return f"""
+name: slow-build
+inputs: {{x: tensor}}
+outputs: {{y: tensor}}
+stages:
+  loading:
+    kind: torch_module
+    params:
+      factory: omnistage.runtime.testmodules:SlowToBuild
+      kwargs: {{build_s: {build_s}}}
+      inputs: {{x: tensor}}
+      outputs: {{y: tensor}}
+    batching: {{policy: none}}
+    pool: {{replicas: {replicas}}}
+edges:
+  - {{from: inputs.x, to: loading.x}}
+  - {{from: loading.y, to: outputs.y}}
+"""
 
 SMALL_YAML = """
 name: sleepy

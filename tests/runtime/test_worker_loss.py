@@ -10,25 +10,7 @@ import pytest
 import torch
 
 from omnistage.errors import WorkerDiedError
-
-SLOW_BUILD_YAML = """
-name: slow-build
-inputs: {x: tensor}
-outputs: {y: tensor}
-stages:
-  loading:
-    kind: torch_module
-    params:
-      factory: omnistage.runtime.testmodules:SlowToBuild
-      kwargs: {build_s: 120}
-      inputs: {x: tensor}
-      outputs: {y: tensor}
-    batching: {policy: none}
-    pool: {replicas: 2}
-edges:
-  - {from: inputs.x, to: loading.x}
-  - {from: loading.y, to: outputs.y}
-"""
+from omnistage.tests.runtime.conftest import pid_exists, slow_build_yaml
 
 # `a` holds each request for params.a.delay seconds, then `b` for params.b.delay; at most one
 # request is between a and b-finished (max_inflight: 1), so one leaked permit starves the edge.
@@ -52,14 +34,6 @@ edges:
 """
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _segments(prefix):
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith(prefix))
 
@@ -68,15 +42,15 @@ def test_close_while_replicas_are_still_starting_is_quick():
     from omnistage.graph.loader import load_pipeline_text
     from omnistage.runtime.pipeline import Pipeline
 
-    p = Pipeline.from_spec(load_pipeline_text(SLOW_BUILD_YAML, "slow-build.yaml"), wait_ready=False)
+    p = Pipeline.from_spec(load_pipeline_text(slow_build_yaml(120, replicas=2), "slow-build.yaml"), wait_ready=False)
     pids = [pid for reps in p.worker_pids().values() for pid in reps]
-    assert len(pids) == 2 and all(pid is not None and _alive(pid) for pid in pids)
+    assert len(pids) == 2 and all(pid is not None and pid_exists(pid) for pid in pids)
     assert not p.ready and p.stage_ready() == {"loading": False}
     t0 = time.monotonic()
     p.close(drain_timeout=30)
     took = time.monotonic() - t0
     assert took < 5.0, f"close() during start-up took {took:.1f}s"
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if pid_exists(pid)]
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:slow-build:")]
     assert not _segments(p.shm_prefix)
     assert p.stage_ready() == {"loading": False}

@@ -5,13 +5,7 @@ import os
 
 import torch
 
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from omnistage.tests.runtime.conftest import pid_exists
 
 
 def test_close_leaves_no_process_or_shared_memory(diamond, sleepy):
@@ -25,6 +19,6 @@ def test_close_leaves_no_process_or_shared_memory(diamond, sleepy):
     for p in pipelines:
         p.close(drain_timeout=5)
         assert not p.ready
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if pid_exists(pid)]
     assert not [c for c in multiprocessing.active_children() if c.pid in pids]
     assert not [f for f in os.listdir("/dev/shm") if any(f.startswith(pre) for pre in prefixes)]

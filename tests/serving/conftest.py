@@ -24,8 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live descendant of `pid`, from /proc/*/stat parent links."""
+def process_parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process, from /proc/*/stat."""
     parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -38,7 +38,12 @@ def descendants(pid: int) -> set[int]:
         fields = stat[stat.rindex(")") + 2:].split()
         if fields[0] != "Z":
             parents[int(entry)] = int(fields[1])
-    found, frontier = set(), {pid}
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live descendant of `pid`, from /proc/*/stat parent links."""
+    parents, found, frontier = process_parents(), set(), {pid}
     while frontier:
         frontier = {child for child, parent in parents.items() if parent in frontier} - found
         found |= frontier
