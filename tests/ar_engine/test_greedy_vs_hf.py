@@ -33,10 +33,22 @@ def make_prompts(seed: int) -> list[list[int]]:
 
 # decode_buffer_bytes: default (persistent decode buffer), 0 (gather from the paged cache every
 # step), and a cap small enough that the engine switches between the two paths mid-run.
+# threads=2: the CPU matmuls split their weights' columns across the threads (cpu_matmul).
 @pytest.mark.parametrize(
-    "ckpt,decode_buffer_bytes", [("qwen2_gqa_tied", 1 << 30), ("qwen2_untied", 0), ("qwen3_qknorm", 600_000)]
+    "ckpt,decode_buffer_bytes,threads",
+    [("qwen2_gqa_tied", 1 << 30, 1), ("qwen2_untied", 0, 1), ("qwen3_qknorm", 600_000, 1),
+     ("qwen2_gqa_tied", 1 << 30, 2)],
 )
-def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, request):
+def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, threads, request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_greedy(ckpt, decode_buffer_bytes, request)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_greedy(ckpt, decode_buffer_bytes, request):
     path, hf_model = request.getfixturevalue(ckpt)
     prompts = make_prompts(seed=len(ckpt))
     refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
