@@ -6,7 +6,8 @@ ran a 32-row GEMM only ~1.3x faster than one. A batched GEMM over column slabs o
 (bmm runs its batch entries on separate threads) gives each thread one slab of the weight to
 pack and multiply instead: 25-30% less time at 32-64 rows and ~7% at 400 rows on this
 machine's two cores, with the same per-element dot products (bit-identical in tests here).
-Below `MIN_ROWS` rows the plain GEMM is as fast or faster, so it stays.
+Below `MIN_ROWS` rows the plain GEMM is as fast or faster, and from `MAX_ROWS` rows on MKL's own
+threading catches up (256 rows: no faster, and joining the slabs then costs more), so it stays.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 MIN_ROWS = 24  # fewer rows: one mm (the split measured no faster at 16 rows)
+MAX_ROWS = 192  # more rows: one mm (128 rows: ~11% faster split; 256: no gain)
 MIN_SLAB_COLS = 64  # narrower slabs waste each thread's GEMM kernel
 
 
@@ -29,7 +31,7 @@ def column_slabs(num_cols: int, threads: int) -> int:
 
 
 def slabs_for(x: torch.Tensor, weight_t: torch.Tensor) -> int:
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] < MIN_ROWS:
+    if x.device.type != "cpu" or x.dim() != 2 or not MIN_ROWS <= x.shape[0] <= MAX_ROWS:
         return 1
     return column_slabs(weight_t.shape[1], torch.get_num_threads())
 

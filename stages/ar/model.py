@@ -24,6 +24,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            if x.device.type == "cpu":
+                # transformers' float32 arithmetic op for op (so bit-identical), two steps in
+                # place: F.rms_norm's composite CPU kernel makes more full-size temporaries
+                # (2.6 ms vs 0.5 ms for 2048 x 512 here, where each is a fresh mapping)
+                inv_rms = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+                return torch.mul(x, inv_rms).mul_(self.weight)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # bit-identical in float32
         # transformers' order: normalize in float32, cast back, then scale (matters in bf16).
         dtype = x.dtype

@@ -26,7 +26,7 @@ def test_column_slabs():
 
 
 @pytest.mark.parametrize("k,n", [(64, 128), (512, 768), (1408, 512), (512, 1000)])
-@pytest.mark.parametrize("rows", [1, 23, 24, 64, 300])
+@pytest.mark.parametrize("rows", [1, 23, 24, 64, 192, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_linear(two_threads, k, n, rows, bias):
     g = torch.Generator().manual_seed(rows * 7 + k)
@@ -35,7 +35,7 @@ def test_matches_linear(two_threads, k, n, rows, bias):
     x = torch.randn(rows, k, generator=g)
     weight_t = weight.t().contiguous()
     split = cpu_matmul.slabs_for(x, weight_t)
-    assert split == (2 if rows >= cpu_matmul.MIN_ROWS else 1)
+    assert split == (2 if cpu_matmul.MIN_ROWS <= rows <= cpu_matmul.MAX_ROWS else 1)
     got = cpu_matmul.matmul(x, weight_t, b)
     assert got.shape == (rows, n) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
