@@ -7,6 +7,7 @@ assembler.py     transport-agnostic input assembly (fan-in join, re-chunking, co
 shm.py           pooled /dev/shm segments for tensors (zero-copy reads), inline/CUDA refs
 messages.py      the messages between orchestrator and workers
 openmp.py        the OpenMP wait settings every started process gets
+allocator.py     glibc malloc thresholds for workers (reuse freed memory, fewer page faults)
 metrics.py       Prometheus collector of per-stage figures
 testmodules.py   small deterministic modules for tests, the benchmark and tiny-diamond
 See docs/runtime.md.

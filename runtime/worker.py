@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from omnistage.graph.spec import PipelineSpec
+from omnistage.runtime.allocator import apply_allocator_defaults
 from omnistage.runtime.assembler import InputAssembler
 from omnistage.runtime.messages import (
     Abort,
@@ -422,6 +423,7 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
     # work through the parent); a parent that disappears closes the pipe and ends the worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    apply_allocator_defaults()  # before the engine allocates anything
     threads = max(1, int(cfg.spec.stages[cfg.stage].pool.threads))
     torch.set_num_threads(threads)
     try:
