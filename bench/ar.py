@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "depend on the batch; the JSON says so)")
     p.add_argument("--budget", type=int, default=2048,
                    help="omnistage max_num_batched_tokens (per-step token budget)")
+    p.add_argument("--settle-s", type=float,
+                   help="idle seconds before each system's process (default 20; --quick 0): "
+                        "the host stays busy for ~20-30 s after a process frees GiBs (steal time "
+                        "on this VM), which slowed whichever system ran next")
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache part")
     p.add_argument("--engine-direct", action="store_true",
                    help="measure omnistage's engine in-process instead of through the runtime")
@@ -184,16 +188,26 @@ def _orchestrate(args, argv: list[str]) -> int:
     # machine also slows under sustained load (every system measured ~5-15% slower in rounds
     # 2-3 than in round 1), which a fixed order would charge to the later systems. Round 0 also
     # does the greedy check and the prefix-cache part.
+    # Between systems the machine idles for settle_s: a process that frees GiBs (transformers'
+    # continuous batching peaks at 14 GiB) leaves this VM's host busy for ~20-30 s (4-7% steal
+    # time measured right after), which cost whichever system ran next 10-15% of its timed
+    # pass; with the rotation that was mostly omnistage. Every system gets the same pause.
+    settle_s = args.settle_s if args.settle_s is not None else (0.0 if args.quick else 20.0)
     results: dict[str, dict] = {}
     rounds = job["runs"]
+    sequence: list[list[str]] = []
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
         for r in range(rounds):
             job_path = Path(tmp) / f"job{r}.json"
             job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0,
                                             "prefix_runs": rounds}))
+            sequence.append([])
             for system in systems[r % len(systems):] + systems[: r % len(systems)]:
                 if "error" in results.get(system, {}):
                     continue
+                if settle_s > 0 and (r > 0 or sequence[-1]):
+                    time.sleep(settle_s)
+                sequence[-1].append(system)
                 print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr,
                       flush=True)
                 res = _run_subprocess(system, job_path, Path(tmp) / f"{system}{r}.json",
@@ -221,7 +235,8 @@ def _orchestrate(args, argv: list[str]) -> int:
                     "device": args.device, "threads": args.threads, "env": OMP_ENV,
                     "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
         "rounds": {"count": job["runs"], "order": "every system once per round, each in a fresh "
-                   "process; the order rotates by one system per round"},
+                   "process; the order rotates by one system per round", "sequence": sequence,
+                   "settle_s": settle_s},
         **meta, "systems": {}, "ratios": {}, "checks": {},
     }
     for system, res in results.items():
