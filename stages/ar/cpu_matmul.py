@@ -12,6 +12,7 @@ threading catches up (256 rows: no faster, and joining the slabs then costs more
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -54,9 +55,7 @@ class Workspace:
 
     @staticmethod
     def _take(buf: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
             buf = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buf, buf[:numel].view(shape)

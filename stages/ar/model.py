@@ -68,11 +68,11 @@ class Linear(nn.Module):
     def forward_halves(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The output's two column halves (gate | up), without joining them when the CPU
         column split makes exactly those two slabs."""
-        half = (self.weight_t.shape[1] if self.weight_t is not None else self.weight.shape[0]) // 2
-        if self.weight_t is not None and self.bias is None and cpu_matmul.slabs_for(x, self.weight_t) == 2:
-            parts = cpu_matmul.matmul_slabs(x, self.weight_t, 2)
+        if self.weight_t is not None and cpu_matmul.slabs_for(x, self.weight_t) == 2:
+            parts = cpu_matmul.matmul_slabs(x, self.weight_t, 2, self.bias)
             return parts[0], parts[1]
-        return self.forward(x).split(half, dim=-1)
+        y = self.forward(x)
+        return y.split(y.shape[-1] // 2, dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
