@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -11,6 +12,17 @@ from safetensors.torch import load_file, save_file
 
 VOCAB = 1000
 MAX_POS = 1024
+
+
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with `n` torch threads (the CPU matmuls split by columns across them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _save(model, path: str) -> str:

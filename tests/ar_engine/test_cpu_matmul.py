@@ -8,13 +8,13 @@ import torch.nn.functional as F
 
 from omnistage.stages.ar import cpu_matmul
 
+from .conftest import torch_threads
+
 
 @pytest.fixture
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(2):
+        yield
 
 
 def test_column_slabs():

@@ -10,7 +10,7 @@ import torch
 
 from omnistage.stages.ar import EngineConfig, LLMEngine, SamplingParams
 
-from .conftest import VOCAB, assert_pool_full, hf_greedy, run_to_completion
+from .conftest import VOCAB, assert_pool_full, hf_greedy, run_to_completion, torch_threads
 
 LENGTHS = [1, 2, 7, 16, 17, 31, 64, 100, 150, 200, 256, 333, 400, 512, 600, 700]
 NEW_TOKENS = 8
@@ -40,12 +40,8 @@ def make_prompts(seed: int) -> list[list[int]]:
      ("qwen2_gqa_tied", 1 << 30, 2)],
 )
 def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, threads, request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         _check_greedy(ckpt, decode_buffer_bytes, request)
-    finally:
-        torch.set_num_threads(before)
 
 
 def _check_greedy(ckpt, decode_buffer_bytes, request):
