@@ -246,11 +246,11 @@ def _release(mm: mmap.mmap, slot: int) -> None:
 
 
 # -- walking message payloads -------------------------------------------------------------
-_SCALARS = (int, float, str, bool, type(None))
+_SCALARS = frozenset((int, float, str, bool, type(None)))
 
 
-def _plain_scalars(values: list) -> bool:
-    return all(type(v) in _SCALARS for v in values)
+def _plain_scalars(values: list | tuple) -> bool:
+    return set(map(type, values)) <= _SCALARS
 
 
 def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
@@ -302,7 +302,7 @@ def release_all(value: Any, reader: SegmentReader, slot: int) -> None:
     elif isinstance(value, dict):
         for v in value.values():
             release_all(v, reader, slot)
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)) and not _plain_scalars(value):
         for v in value:
             release_all(v, reader, slot)
 
@@ -314,7 +314,7 @@ def iter_refs(value: Any):
     elif isinstance(value, dict):
         for v in value.values():
             yield from iter_refs(v)
-    elif isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)) and not _plain_scalars(value):  # token ids: one check, not one generator each
         for v in value:
             yield from iter_refs(v)
 
@@ -324,7 +324,7 @@ def has_refs(value: Any) -> bool:
         return True
     if isinstance(value, dict):
         return any(has_refs(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not _plain_scalars(value):
         return any(has_refs(v) for v in value)
     return False
 

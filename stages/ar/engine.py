@@ -115,7 +115,7 @@ class LLMEngine:
         else:
             if not prompt_token_ids:
                 raise InvalidRequestError("empty prompt", param="prompt")
-            token_ids = [int(t) for t in prompt_token_ids]
+            token_ids = list(map(int, prompt_token_ids))
             if min(token_ids) < 0 or max(token_ids) >= mc.vocab_size:
                 raise InvalidRequestError(f"token id out of range [0, {mc.vocab_size})", param="prompt")
             num_prompt = len(token_ids)
