@@ -16,7 +16,16 @@ from omnistage.stages.ar.attention import AttentionMetadata, paged_attention
 from omnistage.stages.ar.config import ModelConfig
 
 
-class RMSNorm(nn.Module):
+class _Module(nn.Module):
+    """nn.Module called without the hook machinery: these modules never carry hooks, and
+    Module.__call__ costs a few microseconds per call, ~70 calls per forward (~0.2 ms of a
+    32-token cached-prefix step here)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class RMSNorm(_Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -37,7 +46,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-class Linear(nn.Module):
+class Linear(_Module):
     """nn.Linear with the HF weight layout [out, in] for loading; `finalize()` swaps in a
     pre-transposed [in, out] copy, which CPU GEMMs run ~15% faster on (and which
     cpu_matmul splits by columns across threads)."""
@@ -75,7 +84,7 @@ class Linear(nn.Module):
         return y.split(y.shape[-1] // 2, dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(_Module):
     """cos/sin for 1-D positions [N] or M-RoPE positions [3, N], looked up in a cached table."""
 
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...] | None):
@@ -136,7 +145,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) 
     return x.mul_(cos.unsqueeze(1)).add_(rolled)
 
 
-class Attention(nn.Module):
+class Attention(_Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
@@ -183,7 +192,7 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-class MLP(nn.Module):
+class MLP(_Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
@@ -195,7 +204,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))  # in place: half the memory traffic
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Module):
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_index)
@@ -212,7 +221,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(_Module):
     """Embeddings + decoder stack + final norm + LM head."""
 
     def __init__(self, cfg: ModelConfig):
