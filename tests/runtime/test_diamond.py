@@ -233,3 +233,11 @@ def test_idle_workers_do_not_spin(diamond):
     time.sleep(1.0)
     used = {pid: _cpu_seconds(pid) - before[pid] for pid in pids}
     assert all(u <= 0.05 for u in used.values()), used  # blocked, not polling
+
+
+def test_workers_freeze_their_startup_heap(diamond):
+    # objects from start-up (torch, the modules) are out of the collector's view, so a full
+    # collection does not pause the engine to rescan them
+    for stage, reps in diamond.replica_stats().items():
+        for r in reps:
+            assert r["gc_frozen_objects"] > 10_000, (stage, r["gc_frozen_objects"])
