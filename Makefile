@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[dev]'
+	@# the fused CPU kernels compile once per machine (~30 s); engines fall back to eager ops without them
+	-$(PY) -m omnistage.kernels.cpu_fused
 	@touch $(STAMP)
 
 install: $(STAMP)

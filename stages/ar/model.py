@@ -7,10 +7,13 @@ gate_up_proj (one matmul each); `load_weight` maps HF names onto them.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.kernels import cpu_fused
 from omnistage.stages.ar import cpu_matmul
 from omnistage.stages.ar.attention import AttentionMetadata, paged_attention
 from omnistage.stages.ar.config import ModelConfig
@@ -30,8 +33,18 @@ class RMSNorm(_Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: ModuleType | None = None  # kernels.cpu_fused, set by DecoderModel.finalize()
+
+    def add_forward(self, y: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """y += residual in place; returns (y, norm(y)). One kernel with the fused CPU ops."""
+        if self.fused is not None and y.dim() == 2:
+            return y, self.fused.add_rms_norm_(y, residual, self.weight, self.eps)
+        y = y.add_(residual)
+        return y, self.forward(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if x.device.type == "cpu":
                 # transformers' float32 arithmetic op for op (so bit-identical), two steps in
@@ -157,6 +170,7 @@ class Attention(_Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.fused: ModuleType | None = None  # kernels.cpu_fused, set by DecoderModel.finalize()
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, out_rows: torch.Tensor | None = None,
                 sin_signed: torch.Tensor | None = None):
@@ -167,7 +181,11 @@ class Attention(_Module):
             # stay adjacent and go to the cache without a copy.
             qkv = self.qkv_proj(x)
             h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-            apply_rotary_(qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d), cos, sin_signed)
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
+            if self.fused is not None:
+                self.fused.rope_(qk, cos, sin_signed)
+            else:
+                apply_rotary_(qk, cos, sin_signed)
             q = qkv[:, : self.q_size].view(n, h, d)
             kv = qkv[:, self.q_size :].view(n, 2 * kvh, d)
             o = paged_attention(q, kv[:, :kvh], kv[:, kvh:], kv_cache, meta, self.scale, self.layer_index, kv=kv)
@@ -198,9 +216,12 @@ class MLP(_Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused: ModuleType | None = None  # kernels.cpu_fused, set by DecoderModel.finalize()
 
     def forward(self, x):
         gate, up = self.gate_up_proj.forward_halves(x)
+        if self.fused is not None and gate.dim() == 2:
+            return self.down_proj(self.fused.silu_mul(gate, up))
         return self.down_proj(F.silu(gate).mul_(up))  # in place: half the memory traffic
 
 
@@ -216,9 +237,10 @@ class DecoderLayer(_Module):
                 sin_signed: torch.Tensor | None = None):
         """out_rows: only these rows leave the layer (the rest only write their K/V)."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, out_rows, sin_signed)
-        # Residual adds in place into the fresh projection outputs (a + b == b + a bit for bit).
-        x = attn.add_(x if out_rows is None else x[out_rows])
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+        # Residual adds in place into the fresh projection outputs (a + b == b + a bit for bit);
+        # x itself may be held as a captured hidden state.
+        x, h = self.post_attention_layernorm.add_forward(attn, x if out_rows is None else x[out_rows])
+        return self.mlp(h).add_(x)
 
 
 class DecoderModel(_Module):
@@ -238,10 +260,21 @@ class DecoderModel(_Module):
         self._logits_workspace = cpu_matmul.Workspace()
 
     def finalize(self) -> None:
-        """Called once the weights are loaded: switch linears to their inference layout."""
+        """Called once the weights are loaded: switch linears to their inference layout and,
+        for float32 on CPU, norms, RoPE and SiLU-and-multiply to the fused kernels when they
+        are available (kernels.cpu_fused)."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
+        w = self.embed_tokens.weight
+        fused = cpu_fused.load() if w.device.type == "cpu" and w.dtype == torch.float32 else None
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, MLP)):
+                m.fused = fused
+        for layer in self.layers:  # Qwen3's q/k norms see [tokens, heads, d] views: eager ops
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                if norm is not None:
+                    norm.fused = None
         if self.embed_tokens.weight.device.type == "cpu":
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self._lm_head_t = head.detach().t().contiguous()

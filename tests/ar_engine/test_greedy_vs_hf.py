@@ -34,17 +34,27 @@ def make_prompts(seed: int) -> list[list[int]]:
 # decode_buffer_bytes: default (persistent decode buffer), 0 (gather from the paged cache every
 # step), and a cap small enough that the engine switches between the two paths mid-run.
 # threads=2: the CPU matmuls split their weights' columns across the threads (cpu_matmul).
+# fused: norms, RoPE and SiLU through kernels.cpu_fused (the default on CPU), or the eager ops.
 @pytest.mark.parametrize(
-    "ckpt,decode_buffer_bytes,threads",
-    [("qwen2_gqa_tied", 1 << 30, 1), ("qwen2_untied", 0, 1), ("qwen3_qknorm", 600_000, 1),
-     ("qwen2_gqa_tied", 1 << 30, 2)],
+    "ckpt,decode_buffer_bytes,threads,fused",
+    [("qwen2_gqa_tied", 1 << 30, 1, True), ("qwen2_untied", 0, 1, True), ("qwen3_qknorm", 600_000, 1, True),
+     ("qwen2_gqa_tied", 1 << 30, 2, True), ("qwen2_untied", 1 << 30, 1, False)],
 )
-def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, threads, request):
-    with torch_threads(threads):
-        _check_greedy(ckpt, decode_buffer_bytes, request)
+def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, threads, fused, request, monkeypatch):
+    from omnistage.kernels import cpu_fused
+
+    if not fused:
+        monkeypatch.setenv("OMNISTAGE_CPU_FUSED", "0")
+    cpu_fused._reset_for_tests()
+    try:
+        with torch_threads(threads):
+            _check_greedy(ckpt, decode_buffer_bytes, request, fused)
+    finally:
+        monkeypatch.undo()
+        cpu_fused._reset_for_tests()
 
 
-def _check_greedy(ckpt, decode_buffer_bytes, request):
+def _check_greedy(ckpt, decode_buffer_bytes, request, fused):
     path, hf_model = request.getfixturevalue(ckpt)
     prompts = make_prompts(seed=len(ckpt))
     refs = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
@@ -58,6 +68,7 @@ def _check_greedy(ckpt, decode_buffer_bytes, request):
         EngineConfig(model_path=path, max_num_batched_tokens=96, max_num_seqs=16, block_size=16,
                      decode_buffer_bytes=decode_buffer_bytes)
     )
+    assert (engine.model.norm.fused is not None) == fused  # the kernels are built on this machine
     # Under a roomy cap the decode buffer is allocated once, at start, for max_num_seqs x max_model_len.
     reserved = engine.decode_buffer.buffers[0] if decode_buffer_bytes == 1 << 30 else None
     for i, p in enumerate(prompts):

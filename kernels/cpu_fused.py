@@ -1,0 +1,106 @@
+"""Fused float32 CPU kernels (kernels/csrc/cpu_fused.cpp), compiled once per machine.
+
+    ops = cpu_fused.load()          # the extension module, or None (no compiler, disabled, ...)
+    if ops is not None:
+        out = ops.rms_norm(x, weight, eps)
+
+The first load compiles the source with torch's C++ extension builder (~30 s on two cores,
+into ~/.cache/omnistage/kernels/, which `make install` does ahead of time); later loads import
+the built module. Any failure is logged once and load() returns None, so callers keep their
+eager-op path. OMNISTAGE_CPU_FUSED=0 disables the kernels.
+
+`python -m omnistage.kernels.cpu_fused` builds (or finds) the module and says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("omnistage.kernels")
+
+NAME = "omnistage_cpu_fused"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
+# -ffp-contract=off: no fused multiply-adds, so products and sums round as the eager ops do.
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd"]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    return os.environ.get("OMNISTAGE_CPU_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def build_dir() -> Path:
+    import torch
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    root = Path(os.environ.get("OMNISTAGE_KERNEL_CACHE", Path.home() / ".cache" / "omnistage" / "kernels"))
+    return root / f"cpu_fused-{key.hexdigest()[:16]}"
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled module, building it on first use; None when unavailable or disabled."""
+    global _module, _tried
+    if _tried or not enabled():
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        try:
+            _module = _load(verbose)
+        except Exception as exc:  # noqa: BLE001 - any build problem means: use the eager ops
+            log.warning("omnistage: fused CPU kernels unavailable, using eager ops (%s: %s)",
+                        type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+            _module = None
+        _tried = True
+        return _module
+
+
+def _load(verbose: bool) -> ModuleType:
+    import torch  # noqa: F401 - the module links against the libraries torch loads
+
+    where = build_dir()
+    built, ready = where / f"{NAME}.so", where / "ready"
+    if ready.exists():
+        # the directory name hashes source, flags and torch version: a module there is current
+        # ("ready" is written once a build has finished, so a half-linked file is never loaded)
+        spec = importlib.util.spec_from_file_location(NAME, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    from torch.utils import cpp_extension
+
+    where.mkdir(parents=True, exist_ok=True)
+    print(f"omnistage: building fused CPU kernels in {where} (once per machine, ~30 s)...",
+          file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    # the build directory holds a lock file, so concurrent workers wait for one build
+    module = cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                                build_directory=str(where), verbose=verbose)
+    print(f"omnistage: fused CPU kernels built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    tmp = where / f"ready.{os.getpid()}"
+    tmp.write_text(str(built))
+    tmp.replace(ready)
+    return module
+
+
+def _reset_for_tests() -> None:
+    global _module, _tried
+    with _lock:
+        _module, _tried = None, False
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    mod = load(verbose="-v" in sys.argv)
+    print(f"fused CPU kernels: {'ready in ' + str(build_dir()) if mod is not None else 'unavailable (eager ops)'}")
