@@ -18,6 +18,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import sys
 import threading
 import time
@@ -40,10 +41,22 @@ def enabled() -> bool:
     return os.environ.get("OMNISTAGE_CPU_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def _cpu_identity() -> bytes:
+    """-march=native code runs only on CPUs like the one that built it (a shared home directory
+    may serve several machines): the CPU's model and feature flags are part of the cache key."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines).encode()
+    except OSError:
+        return platform.machine().encode()
+
+
 def build_dir() -> Path:
     import torch
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
+                         + _cpu_identity())
     root = Path(os.environ.get("OMNISTAGE_KERNEL_CACHE", Path.home() / ".cache" / "omnistage" / "kernels"))
     return root / f"cpu_fused-{key.hexdigest()[:16]}"
 
@@ -72,7 +85,7 @@ def _load(verbose: bool) -> ModuleType:
     where = build_dir()
     built, ready = where / f"{NAME}.so", where / "ready"
     if ready.exists():
-        # the directory name hashes source, flags and torch version: a module there is current
+        # the directory name hashes source, flags, torch version and CPU: a module there is current
         # ("ready" is written once a build has finished, so a half-linked file is never loaded)
         spec = importlib.util.spec_from_file_location(NAME, built)
         module = importlib.util.module_from_spec(spec)
