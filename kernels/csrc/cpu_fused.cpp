@@ -150,7 +150,50 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   return out;
 }
 
+// Qwen3's per-head q/k RMSNorm followed by rotate-half RoPE, in place on the q|k columns of the
+// fused qkv output: x [rows, q_heads + k_heads, d] (rows and heads strided, unit stride in d);
+// heads below q_heads use q_weight [d], the rest k_weight [d].
+void qk_norm_rope_(torch::Tensor& x, int64_t q_heads, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
+                   double eps, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+              "x must be a float32 CPU tensor [rows, heads, d] with unit stride in d");
+  const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(q_heads >= 0 && q_heads <= heads, "q_heads out of range");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.numel() == d && k_weight.numel() == d &&
+              q_weight.scalar_type() == torch::kFloat32 && k_weight.scalar_type() == torch::kFloat32,
+              "q_weight / k_weight must be contiguous float32 [d]");
+  TORCH_CHECK(d % 2 == 0 && d <= 1024 && cos.is_contiguous() && sin_signed.is_contiguous() &&
+              cos.numel() == rows * d && sin_signed.numel() == rows * d &&
+              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
+              "cos / sin_signed must be contiguous float32 [rows, d] (d even, at most 1024)");
+  float* xp = x.data_ptr<float>();
+  const float* qw = q_weight.data_ptr<float>();
+  const float* kw = k_weight.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin_signed.data_ptr<float>();
+  const int64_t ldr = x.stride(0), ldh = x.stride(1);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+    float normed[1024];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = xp + r * ldr + h * ldh;
+        norm_row(v, h < q_heads ? qw : kw, normed, d, e);
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = normed[i], b = normed[i + half];
+          v[i] = a * c[i] + b * s[i];
+          v[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qk_norm_rope_", &qk_norm_rope_, "per-head q/k RMSNorm then rotate-half RoPE, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of a 2-D float32 tensor");
   m.def("add_rms_norm_", &add_rms_norm_, "y += residual; return RMSNorm(y)");

@@ -176,13 +176,15 @@ class Attention(_Module):
                 sin_signed: torch.Tensor | None = None):
         """out_rows: compute queries (and return outputs) for these rows only; K/V for all rows."""
         n = x.shape[0]
-        if out_rows is None and self.q_norm is None and sin_signed is not None:
-            # Common path: rotate q and k together, in place in the fused qkv output, so K|V
-            # stay adjacent and go to the cache without a copy.
+        if out_rows is None and sin_signed is not None and (self.q_norm is None or self.fused is not None):
+            # Common path: rotate q and k together (Qwen3: normalize them first), in place in
+            # the fused qkv output, so K|V stay adjacent and go to the cache without a copy.
             qkv = self.qkv_proj(x)
             h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
-            if self.fused is not None:
+            if self.q_norm is not None:
+                self.fused.qk_norm_rope_(qk, h, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin_signed)
+            elif self.fused is not None:
                 self.fused.rope_(qk, cos, sin_signed)
             else:
                 apply_rotary_(qk, cos, sin_signed)

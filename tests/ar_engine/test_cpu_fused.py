@@ -62,6 +62,32 @@ def test_rope_equals_transformers_bit_for_bit(ops):
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # V untouched
 
 
+def test_qk_norm_then_rope_matches_transformers_qwen3(ops):
+    # Qwen3: per-head RMSNorm of q and k (own weights), then RoPE, in place on the qkv output
+    g = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, d = 11, 4, 2, 32
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g) * 2
+    q_norm, k_norm = Qwen2RMSNorm(d, eps=1e-6), Qwen2RMSNorm(d, eps=1e-6)  # Qwen3's is the same module
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.randn(d, generator=g))
+        k_norm.weight.copy_(torch.randn(d, generator=g))
+    pos = torch.arange(7, 7 + n)
+    inv = 1.0 / (1_000_000 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    emb = torch.cat((pos[:, None] * inv, pos[:, None] * inv), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    with torch.no_grad():
+        q = q_norm(qkv[:, : heads * d].view(n, heads, d)).transpose(0, 1).unsqueeze(0)
+        k = k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)).transpose(0, 1).unsqueeze(0)
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    ops.qk_norm_rope_(qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d), heads,
+                      q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, cos, signed_sin(sin))
+    torch.testing.assert_close(qkv[:, : heads * d].view(n, heads, d), want_q[0].transpose(0, 1), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d),
+                               want_k[0].transpose(0, 1), rtol=2e-6, atol=2e-6)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)
+
+
 @pytest.mark.parametrize("rows,width", [(1, 1408), (32, 1408), (130, 4864), (5, 37)])
 def test_silu_mul_matches_f_silu(ops, rows, width):
     g = torch.Generator().manual_seed(width)
