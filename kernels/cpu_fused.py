@@ -116,4 +116,4 @@ def _reset_for_tests() -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     mod = load(verbose="-v" in sys.argv)
-    print(f"fused CPU kernels: {'ready in ' + str(build_dir()) if mod is not None else 'unavailable (eager ops)'}")
+    print(f"fused CPU kernels: {'ready: ' + mod.__file__ if mod is not None else 'unavailable (eager ops)'}")

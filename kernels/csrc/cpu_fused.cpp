@@ -29,9 +29,35 @@ inline void norm_row(const float* x, const float* w, float* out, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
 }
 
+// Rotate-half RoPE of one head: out <- in * cos + roll(in, d / 2) * sin_signed (in may be out).
+inline void rope_head(const float* in, float* out, const float* c, const float* s, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = in[i], b = in[i + half];
+    out[i] = a * c[i] + b * s[i];
+    out[i + half] = b * c[i + half] + a * s[i + half];
+  }
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with unit column stride");
+}
+
+void check_weight(const torch::Tensor& w, int64_t n, const char* name) {
+  TORCH_CHECK(w.is_contiguous() && w.numel() == n && w.scalar_type() == torch::kFloat32,
+              name, " must be a contiguous float32 vector of ", n);
+}
+
+// x [rows, heads, d] (rows and heads strided, unit stride in d); cos / sin_signed [rows, d].
+void check_heads_and_tables(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
+              "x must be a float32 CPU tensor [rows, heads, d] with unit stride in d");
+  const int64_t rows = x.size(0), d = x.size(2);
+  TORCH_CHECK(d % 2 == 0 && cos.is_contiguous() && sin_signed.is_contiguous() &&
+              cos.numel() == rows * d && sin_signed.numel() == rows * d &&
+              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
+              "cos / sin_signed must be contiguous float32 [rows, d] (d even)");
 }
 
 }  // namespace
@@ -40,7 +66,7 @@ void check_rows(const torch::Tensor& t, const char* name) {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == torch::kFloat32);
+  check_weight(weight, n, "weight");
   auto out = torch::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -59,7 +85,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& y, const torch::Tensor& residual, con
   check_rows(residual, "residual");
   TORCH_CHECK(y.sizes() == residual.sizes(), "y and residual differ in shape");
   const int64_t rows = y.size(0), n = y.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == n && weight.scalar_type() == torch::kFloat32);
+  check_weight(weight, n, "weight");
   auto out = torch::empty({rows, n}, y.options());
   float* yp = y.data_ptr<float>();
   const float* rp = residual.data_ptr<float>();
@@ -83,13 +109,8 @@ torch::Tensor add_rms_norm_(torch::Tensor& y, const torch::Tensor& residual, con
 // head), cos / sin_signed [rows, d] contiguous, sin_signed = [-sin | sin] by halves:
 // x <- x * cos + roll(x, d / 2) * sin_signed.
 void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
-              "x must be a float32 CPU tensor [rows, heads, d] with unit stride in d");
+  check_heads_and_tables(x, cos, sin_signed);
   const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
-  TORCH_CHECK(d % 2 == 0 && cos.is_contiguous() && sin_signed.is_contiguous() &&
-              cos.numel() == rows * d && sin_signed.numel() == rows * d &&
-              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
-              "cos / sin_signed must be contiguous float32 [rows, d]");
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin_signed.data_ptr<float>();
@@ -100,12 +121,7 @@ void rope_(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_
       const float* s = sp + r * d;
       for (int64_t h = 0; h < heads; ++h) {
         float* v = xp + r * ldr + h * ldh;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = v[i], b = v[i + half];
-          v[i] = a * c[i] + b * s[i];
-          v[i + half] = b * c[i + half] + a * s[i + half];
-        }
+        rope_head(v, v, c, s, half);
       }
     }
   });
@@ -155,17 +171,12 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 // heads below q_heads use q_weight [d], the rest k_weight [d].
 void qk_norm_rope_(torch::Tensor& x, int64_t q_heads, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                    double eps, const torch::Tensor& cos, const torch::Tensor& sin_signed) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1,
-              "x must be a float32 CPU tensor [rows, heads, d] with unit stride in d");
+  check_heads_and_tables(x, cos, sin_signed);
   const int64_t rows = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  TORCH_CHECK(d <= 1024, "head_dim must be at most 1024");
   TORCH_CHECK(q_heads >= 0 && q_heads <= heads, "q_heads out of range");
-  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.numel() == d && k_weight.numel() == d &&
-              q_weight.scalar_type() == torch::kFloat32 && k_weight.scalar_type() == torch::kFloat32,
-              "q_weight / k_weight must be contiguous float32 [d]");
-  TORCH_CHECK(d % 2 == 0 && d <= 1024 && cos.is_contiguous() && sin_signed.is_contiguous() &&
-              cos.numel() == rows * d && sin_signed.numel() == rows * d &&
-              cos.scalar_type() == torch::kFloat32 && sin_signed.scalar_type() == torch::kFloat32,
-              "cos / sin_signed must be contiguous float32 [rows, d] (d even, at most 1024)");
+  check_weight(q_weight, d, "q_weight");
+  check_weight(k_weight, d, "k_weight");
   float* xp = x.data_ptr<float>();
   const float* qw = q_weight.data_ptr<float>();
   const float* kw = k_weight.data_ptr<float>();
@@ -181,12 +192,7 @@ void qk_norm_rope_(torch::Tensor& x, int64_t q_heads, const torch::Tensor& q_wei
       for (int64_t h = 0; h < heads; ++h) {
         float* v = xp + r * ldr + h * ldh;
         norm_row(v, h < q_heads ? qw : kw, normed, d, e);
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = normed[i], b = normed[i + half];
-          v[i] = a * c[i] + b * s[i];
-          v[i + half] = b * c[i + half] + a * s[i + half];
-        }
+        rope_head(normed, v, c, s, half);
       }
     }
   });

@@ -272,11 +272,7 @@ class DecoderModel(_Module):
         fused = cpu_fused.load() if w.device.type == "cpu" and w.dtype == torch.float32 else None
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
-                m.fused = fused
-        for layer in self.layers:  # Qwen3's q/k norms see [tokens, heads, d] views: eager ops
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                if norm is not None:
-                    norm.fused = None
+                m.fused = fused  # (Qwen3's q/k norms see [tokens, heads, d]: RMSNorm keeps those eager)
         if self.embed_tokens.weight.device.type == "cpu":
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self._lm_head_t = head.detach().t().contiguous()
