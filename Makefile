@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # and a top-level `kernels` package would break `import transformers`.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install run test clean
+.PHONY: install run test lint clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -25,7 +25,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/omnistage serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
 
 clean:

@@ -42,8 +42,9 @@ LOGPROB_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omnistage bench ar", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="omnistage bench ar", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", dest="json_path", help="write the results here")
     p.add_argument("--quick", action="store_true", help="reduced run for smoke tests (< 60 s)")
     p.add_argument("--runs", type=int, help="timed passes per system (default 3; --quick 1)")
@@ -53,18 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads of every system")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of systems to run")
     p.add_argument("--requests", type=int, help="workload size (default 64; --quick 8)")
-    p.add_argument("--serial-requests", type=int,
-                   help="time hf_serial on the first K requests only (its throughput does not "
-                        "depend on the batch; the JSON says so)")
-    p.add_argument("--budget", type=int, default=2048,
-                   help="omnistage max_num_batched_tokens (per-step token budget)")
-    p.add_argument("--settle-s", type=float,
-                   help="idle seconds before each system's process (default 20; --quick 0): "
-                        "the host stays busy for ~20-30 s after a process frees GiBs (steal time "
-                        "on this VM), which slowed whichever system ran next")
+    p.add_argument(
+        "--serial-requests",
+        type=int,
+        help="time hf_serial on the first K requests only (its throughput does not "
+        "depend on the batch; the JSON says so)",
+    )
+    p.add_argument("--budget", type=int, default=2048, help="omnistage max_num_batched_tokens (per-step token budget)")
+    p.add_argument(
+        "--settle-s",
+        type=float,
+        help="idle seconds before each system's process (default 20; --quick 0): "
+        "the host stays busy for ~20-30 s after a process frees GiBs (steal time "
+        "on this VM), which slowed whichever system ran next",
+    )
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache part")
-    p.add_argument("--engine-direct", action="store_true",
-                   help="measure omnistage's engine in-process instead of through the runtime")
+    p.add_argument(
+        "--engine-direct",
+        action="store_true",
+        help="measure omnistage's engine in-process instead of through the runtime",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -103,42 +112,65 @@ def _make_job(args) -> tuple[dict, dict]:
     n = args.requests or (8 if quick else 64)
     prompt_range, output_range = ((16, 64), (8, 24)) if quick else ((32, 512), (16, 256))
     t0 = time.perf_counter()
-    print(f"bench ar: building {shape.name} checkpoint ({shape.num_params() / 1e6:.1f}M params)",
-          file=sys.stderr, flush=True)
+    print(
+        f"bench ar: building {shape.name} checkpoint ({shape.num_params() / 1e6:.1f}M params)",
+        file=sys.stderr,
+        flush=True,
+    )
     checkpoint = build_bench_checkpoint(shape, dtype)
-    print(f"bench ar: checkpoint ready in {time.perf_counter() - t0:.1f}s: {checkpoint}",
-          file=sys.stderr, flush=True)
+    print(f"bench ar: checkpoint ready in {time.perf_counter() - t0:.1f}s: {checkpoint}", file=sys.stderr, flush=True)
     workload = make_workload(n, prompt_range, output_range, shape.vocab_size, seed=0)
     n_check = 4 if quick else 8
     check_lens = [min(n_out, 8 if quick else 32) for n_out in workload.output_lens[:n_check]]
     job = {
-        "checkpoint": str(checkpoint), "device": args.device, "dtype": dtype,
-        "threads": args.threads, "runs": args.runs or (1 if quick else 3),
-        "budget": args.budget, "engine_direct": args.engine_direct,
-        "prompts": workload.prompts, "output_lens": workload.output_lens,
-        "check_prompts": workload.prompts[:n_check], "check_output_lens": check_lens,
+        "checkpoint": str(checkpoint),
+        "device": args.device,
+        "dtype": dtype,
+        "threads": args.threads,
+        "runs": args.runs or (1 if quick else 3),
+        "budget": args.budget,
+        "engine_direct": args.engine_direct,
+        "prompts": workload.prompts,
+        "output_lens": workload.output_lens,
+        "check_prompts": workload.prompts[:n_check],
+        "check_output_lens": check_lens,
         "serial_requests": args.serial_requests,
         "hf_cb_overrides": {"num_blocks": 16, "max_batch_tokens": 256} if quick else {},
     }
     prefix_desc = None
     if not args.no_prefix:
-        pw = make_prefix_workload(8 if quick else 64, 64 if quick else 384, 8 if quick else 32,
-                                  4 if quick else 16, shape.vocab_size)
+        pw = make_prefix_workload(
+            8 if quick else 64, 64 if quick else 384, 8 if quick else 32, 4 if quick else 16, shape.vocab_size
+        )
         job["prefix"] = {"prompts": pw.prompts, "output_len": pw.output_len}
-        prefix_desc = {"requests": len(pw.prompts), "prefix_len": pw.prefix_len,
-                       "suffix_len": len(pw.prompts[0]) - pw.prefix_len,
-                       "output_len": pw.output_len, "arrival": "sequential",
-                       "cached": "one cache_salt shared by all requests (first one warms)",
-                       "uncached": "a unique cache_salt per request (no sharing)"}
+        prefix_desc = {
+            "requests": len(pw.prompts),
+            "prefix_len": pw.prefix_len,
+            "suffix_len": len(pw.prompts[0]) - pw.prefix_len,
+            "output_len": pw.output_len,
+            "arrival": "sequential",
+            "cached": "one cache_salt shared by all requests (first one warms)",
+            "uncached": "a unique cache_salt per request (no sharing)",
+        }
     meta = {
-        "model": {**shape.__dict__, "params_m": round(shape.num_params() / 1e6, 1),
-                  "dtype": dtype, "checkpoint": str(checkpoint), "init": "random, std 0.2"},
-        "workload": {"requests": n, "prompt_len_range": list(prompt_range),
-                     "output_len_range": list(output_range), "seed": workload.seed,
-                     "eos": "ignored", "arrival": "all at once",
-                     "requested_output_tokens": workload.requested_tokens,
-                     "prompt_tokens": sum(len(p) for p in workload.prompts),
-                     "ttft_from": "workload arrival (includes queueing)"},
+        "model": {
+            **shape.__dict__,
+            "params_m": round(shape.num_params() / 1e6, 1),
+            "dtype": dtype,
+            "checkpoint": str(checkpoint),
+            "init": "random, std 0.2",
+        },
+        "workload": {
+            "requests": n,
+            "prompt_len_range": list(prompt_range),
+            "output_len_range": list(output_range),
+            "seed": workload.seed,
+            "eos": "ignored",
+            "arrival": "all at once",
+            "requested_output_tokens": workload.requested_tokens,
+            "prompt_tokens": sum(len(p) for p in workload.prompts),
+            "ttft_from": "workload arrival (includes queueing)",
+        },
         "prefix_workload": prefix_desc,
     }
     return job, meta
@@ -146,14 +178,21 @@ def _make_job(args) -> tuple[dict, dict]:
 
 def _run_subprocess(system: str, job_path: Path, out_path: Path, timeout: float) -> dict:
     """Run one system in its own process; its progress lines pass through to our stderr."""
-    cmd = [sys.executable, "-m", "omnistage.bench.ar", "--worker", system,
-           "--job", str(job_path), "--out", str(out_path)]
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false",
-           **OMP_ENV}
+    cmd = [
+        sys.executable,
+        "-m",
+        "omnistage.bench.ar",
+        "--worker",
+        system,
+        "--job",
+        str(job_path),
+        "--out",
+        str(out_path),
+    ]
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TOKENIZERS_PARALLELISM": "false", **OMP_ENV}
     t0 = time.perf_counter()
     tail: list[str] = []
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:
             tail = (tail + [line])[-60:]
@@ -199,28 +238,30 @@ def _orchestrate(args, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
         for r in range(rounds):
             job_path = Path(tmp) / f"job{r}.json"
-            job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0,
-                                            "prefix_runs": rounds}))
+            job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0, "prefix_runs": rounds}))
             sequence.append([])
-            for system in systems[r % len(systems):] + systems[: r % len(systems)]:
+            for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
                 if "error" in results.get(system, {}):
                     continue
                 if settle_s > 0 and (r > 0 or sequence[-1]):
                     time.sleep(settle_s)
                 sequence[-1].append(system)
-                print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr,
-                      flush=True)
-                res = _run_subprocess(system, job_path, Path(tmp) / f"{system}{r}.json",
-                                      timeout=300 if args.quick else 3600)
+                print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr, flush=True)
+                res = _run_subprocess(
+                    system, job_path, Path(tmp) / f"{system}{r}.json", timeout=300 if args.quick else 3600
+                )
                 if "error" in res:
                     print(f"bench ar: {system} FAILED: {res['error'][-800:]}", file=sys.stderr)
                     results[system] = res
                     continue
                 run = res["runs"][0]
-                print(f"bench ar: {system}: {run['output_tok_s']:.1f} tok/s (ttft p50 "
-                      f"{run['ttft_ms_p50']:.0f} ms, tpot p50 {run['tpot_ms_p50']:.1f} ms, peak RSS "
-                      f"{res['peak_rss_mb']:.0f} MiB, {res['process_wall_s']:.0f}s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"bench ar: {system}: {run['output_tok_s']:.1f} tok/s (ttft p50 "
+                    f"{run['ttft_ms_p50']:.0f} ms, tpot p50 {run['tpot_ms_p50']:.1f} ms, peak RSS "
+                    f"{res['peak_rss_mb']:.0f} MiB, {res['process_wall_s']:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if system not in results:
                     results[system] = res
                 else:
@@ -229,22 +270,34 @@ def _orchestrate(args, argv: list[str]) -> int:
                     merged["peak_rss_mb"] = max(merged["peak_rss_mb"], res["peak_rss_mb"])
 
     out = {
-        "bench": "ar", "quick": args.quick,
+        "bench": "ar",
+        "quick": args.quick,
         "command": " ".join(["omnistage", "bench", "ar", *argv]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "device": args.device, "threads": args.threads, "env": OMP_ENV,
-                    "loadavg_start": load_start, "loadavg_end": os.getloadavg()},
-        "rounds": {"count": job["runs"], "order": "every system once per round, each in a fresh "
-                   "process; the order rotates by one system per round", "sequence": sequence,
-                   "settle_s": settle_s},
-        **meta, "systems": {}, "ratios": {}, "checks": {},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "device": args.device,
+            "threads": args.threads,
+            "env": OMP_ENV,
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+        },
+        "rounds": {
+            "count": job["runs"],
+            "order": "every system once per round, each in a fresh process; the order rotates by one system per round",
+            "sequence": sequence,
+            "settle_s": settle_s,
+        },
+        **meta,
+        "systems": {},
+        "ratios": {},
+        "checks": {},
     }
     for system, res in results.items():
         if "error" in res:
             out["systems"][system] = {"error": res["error"]}
             continue
-        entry = {**aggregate(res["runs"]), "peak_rss_mb": res["peak_rss_mb"],
-                 "settings": res.get("settings", {})}
+        entry = {**aggregate(res["runs"]), "peak_rss_mb": res["peak_rss_mb"], "settings": res.get("settings", {})}
         if system == "omnistage":
             entry["mode"] = res.get("mode")
             entry["engine_stats"] = res.get("engine_stats", {})
@@ -256,8 +309,11 @@ def _orchestrate(args, argv: list[str]) -> int:
         return entry.get("output_tok_s", {}).get("median")
 
     omni = tok_s("omnistage")
-    for key, base in (("vs_hf_serial", "hf_serial"), ("vs_hf_static", "hf_static"),
-                      ("vs_hf_generate_batch", "hf_generate_batch")):
+    for key, base in (
+        ("vs_hf_serial", "hf_serial"),
+        ("vs_hf_static", "hf_static"),
+        ("vs_hf_generate_batch", "hf_generate_batch"),
+    ):
         out["ratios"][key] = omni / tok_s(base) if omni and tok_s(base) else None
 
     omni_res = results.get("omnistage", {})
@@ -272,11 +328,12 @@ def _orchestrate(args, argv: list[str]) -> int:
         out["ratios"]["prefix_ttft"] = out["prefix_cache"]["ttft_ms_p50_cached"]["median"] / un
     else:
         out["ratios"]["prefix_ttft"] = None
-    out["checks"] = _greedy_check(omni_res.get("greedy"),
-                                  results.get("hf_serial", {}).get("greedy_reference"),
-                                  LOGPROB_TOLERANCE.get(job["dtype"], 1e-3))
-    out["targets"] = {"vs_hf_serial": 6, "vs_hf_static": 2, "vs_hf_generate_batch": 5,
-                      "prefix_ttft_max": 0.2}
+    out["checks"] = _greedy_check(
+        omni_res.get("greedy"),
+        results.get("hf_serial", {}).get("greedy_reference"),
+        LOGPROB_TOLERANCE.get(job["dtype"], 1e-3),
+    )
+    out["targets"] = {"vs_hf_serial": 6, "vs_hf_static": 2, "vs_hf_generate_batch": 5, "prefix_ttft_max": 0.2}
     out["elapsed_s"] = time.time() - started
     if args.json_path:
         write_json(args.json_path, out)
@@ -288,32 +345,42 @@ def _orchestrate(args, argv: list[str]) -> int:
 
 def markdown_summary(out: dict) -> str:
     """The results as markdown tables (what docs/bench-ar.md records)."""
+
     def fig(entry, key, fmt="{:.1f}"):
         f = entry.get(key)
         if not f:
             return "-"
         return f"{fmt.format(f['median'])} ({fmt.format(f['min'])}..{fmt.format(f['max'])})"
 
-    lines = ["| system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| system | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for system, entry in out["systems"].items():
         if "error" in entry:
             lines.append(f"| {system} | failed: {entry['error'][:80]} | | | | | |")
             continue
-        lines.append(f"| {system} | {fig(entry, 'output_tok_s')} | {fig(entry, 'ttft_ms_p50', '{:.0f}')} | "
-                     f"{fig(entry, 'ttft_ms_p99', '{:.0f}')} | {fig(entry, 'tpot_ms_p50')} | "
-                     f"{fig(entry, 'tpot_ms_p99')} | {entry['peak_rss_mb']:.0f} |")
+        lines.append(
+            f"| {system} | {fig(entry, 'output_tok_s')} | {fig(entry, 'ttft_ms_p50', '{:.0f}')} | "
+            f"{fig(entry, 'ttft_ms_p99', '{:.0f}')} | {fig(entry, 'tpot_ms_p50')} | "
+            f"{fig(entry, 'tpot_ms_p99')} | {entry['peak_rss_mb']:.0f} |"
+        )
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
-    targets = {"vs_hf_serial": ">= 6", "vs_hf_static": ">= 2", "vs_hf_generate_batch": ">= 5",
-               "prefix_ttft": "<= 0.2"}
+    targets = {"vs_hf_serial": ">= 6", "vs_hf_static": ">= 2", "vs_hf_generate_batch": ">= 5", "prefix_ttft": "<= 0.2"}
     for key, value in out["ratios"].items():
-        lines.append(f"| {key} | {value:.2f} | {targets.get(key, '')} |" if value is not None
-                     else f"| {key} | - | {targets.get(key, '')} |")
+        lines.append(
+            f"| {key} | {value:.2f} | {targets.get(key, '')} |"
+            if value is not None
+            else f"| {key} | - | {targets.get(key, '')} |"
+        )
     pc = out.get("prefix_cache")
     if pc:
-        lines += ["", f"prefix cache: TTFT p50 cached {fig(pc, 'ttft_ms_p50_cached')} ms, uncached "
-                      f"{fig(pc, 'ttft_ms_p50_uncached')} ms, cached share of prompt tokens "
-                      f"{fig(pc, 'cached_prompt_share', '{:.3f}')}"]
+        lines += [
+            "",
+            f"prefix cache: TTFT p50 cached {fig(pc, 'ttft_ms_p50_cached')} ms, uncached "
+            f"{fig(pc, 'ttft_ms_p50_uncached')} ms, cached share of prompt tokens "
+            f"{fig(pc, 'cached_prompt_share', '{:.3f}')}",
+        ]
     lines += ["", f"checks: {json.dumps(out['checks'])}"]
     return "\n".join(lines)
 
@@ -322,13 +389,11 @@ def _greedy_check(ours, reference, tolerance: float) -> dict:
     if not ours or not reference:
         return {"greedy_equal_hf": None, "reason": "omnistage or hf_serial did not run"}
     tokens_equal = all(a["tokens"] == b["tokens"] for a, b in zip(ours, reference))
-    diffs = [abs(x - y) for a, b in zip(ours, reference)
-             for x, y in zip(a["logprobs"], b["logprobs"])]
+    diffs = [abs(x - y) for a, b in zip(ours, reference) for x, y in zip(a["logprobs"], b["logprobs"])]
     have_logprobs = all(len(a["logprobs"]) == len(a["tokens"]) for a in ours)
     max_diff = max(diffs) if diffs else None
     return {
-        "greedy_equal_hf": bool(tokens_equal and have_logprobs and max_diff is not None
-                                and max_diff <= tolerance),
+        "greedy_equal_hf": bool(tokens_equal and have_logprobs and max_diff is not None and max_diff <= tolerance),
         "tokens_equal": tokens_equal,
         "max_logprob_abs_diff": max_diff,
         "logprob_tolerance": tolerance,

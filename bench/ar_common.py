@@ -39,8 +39,9 @@ SHAPES = {
     # --quick: small enough for the test suite.
     "quick": ModelShape("qwen2-quick", 2048, 128, 2, 4, 2, 256),
     # The GPU run: Qwen2.5-0.5B's shape.
-    "0.5b": ModelShape("qwen2-0.5b", 151936, 896, 24, 14, 2, 4864, tie_word_embeddings=True,
-                       max_position_embeddings=32768),
+    "0.5b": ModelShape(
+        "qwen2-0.5b", 151936, 896, 24, 14, 2, 4864, tie_word_embeddings=True, max_position_embeddings=32768
+    ),
 }
 
 
@@ -57,12 +58,19 @@ def build_bench_checkpoint(shape: ModelShape, dtype: str = "float32") -> Path:
     tmp = target.with_name(target.name + f".building-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     build_qwen2_checkpoint(
-        tmp, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-        num_layers=shape.num_layers, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+        tmp,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
         intermediate_size=shape.intermediate_size,
         max_position_embeddings=shape.max_position_embeddings,
-        tie_word_embeddings=shape.tie_word_embeddings, initializer_range=0.2,
-        eos_token_id=None, pad_token_id=0, dtype=getattr(torch, dtype),
+        tie_word_embeddings=shape.tie_word_embeddings,
+        initializer_range=0.2,
+        eos_token_id=None,
+        pad_token_id=0,
+        dtype=getattr(torch, dtype),
     )
     (tmp / ".complete").write_text("ok\n")
     import shutil
@@ -83,11 +91,11 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab_size: int, seed: int = 0) -> Workload:
+def make_workload(
+    n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int = 0
+) -> Workload:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))]
-               for _ in range(n)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(n)]
     outs = [rng.randint(*output_range) for _ in range(n)]
     return Workload(prompts, outs, seed)
 
@@ -99,8 +107,9 @@ class PrefixWorkload:
     output_len: int
 
 
-def make_prefix_workload(n: int, prefix_len: int, suffix_len: int, output_len: int,
-                         vocab_size: int, seed: int = 1) -> PrefixWorkload:
+def make_prefix_workload(
+    n: int, prefix_len: int, suffix_len: int, output_len: int, vocab_size: int, seed: int = 1
+) -> PrefixWorkload:
     rng = random.Random(seed)
     prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
     prompts = [prefix + [rng.randrange(vocab_size) for _ in range(suffix_len)] for _ in range(n)]
@@ -145,8 +154,7 @@ def tpot(first: float, last: float, n_tokens: int) -> float | None:
 
 
 def median_min_max(values: list[float]) -> dict[str, float | list[float]]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "runs": values}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 def aggregate(runs: list[dict[str, float]]) -> dict[str, dict]:

@@ -32,7 +32,8 @@ def _hf_model(job: dict):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        job["checkpoint"], dtype=getattr(torch, job["dtype"]), attn_implementation="sdpa")
+        job["checkpoint"], dtype=getattr(torch, job["dtype"]), attn_implementation="sdpa"
+    )
     return model.to(job["device"]).eval()
 
 
@@ -53,9 +54,15 @@ def _generate(model, input_ids, attention_mask, max_new_tokens, clock=None, **kw
     from transformers import StoppingCriteriaList
 
     return model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-        max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0,
-        stopping_criteria=StoppingCriteriaList([clock]) if clock else None, **kw)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=0,
+        stopping_criteria=StoppingCriteriaList([clock]) if clock else None,
+        **kw,
+    )
 
 
 def run_hf_serial(job: dict) -> dict:
@@ -79,12 +86,20 @@ def run_hf_serial(job: dict) -> dict:
             metrics.wall_s = time.perf_counter() - t0
             runs.append(metrics.summary())
         reference = _greedy_reference(model, job) if job.get("extras", True) else None
-    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "greedy_reference": reference,
-            "settings": {"attn_implementation": "sdpa", "threads": torch.get_num_threads(),
-                         "requests_timed": k,
-                         "note": None if k == len(job["prompts"]) else
-                         f"timed on the first {k} of {len(job['prompts'])} requests; TTFT counts "
-                         f"queueing behind those {k} only"}}
+    return {
+        "runs": runs,
+        "peak_rss_mb": tree_peak_rss_mb(),
+        "greedy_reference": reference,
+        "settings": {
+            "attn_implementation": "sdpa",
+            "threads": torch.get_num_threads(),
+            "requests_timed": k,
+            "note": None
+            if k == len(job["prompts"])
+            else f"timed on the first {k} of {len(job['prompts'])} requests; TTFT counts "
+            f"queueing behind those {k} only",
+        },
+    }
 
 
 def _greedy_reference(model, job: dict) -> list[dict]:
@@ -92,11 +107,9 @@ def _greedy_reference(model, job: dict) -> list[dict]:
     out = []
     for prompt, n in zip(job["check_prompts"], job["check_output_lens"]):
         ids = torch.tensor([prompt], device=job["device"])
-        res = _generate(model, ids, torch.ones_like(ids), n, output_logits=True,
-                        return_dict_in_generate=True)
-        tokens = res.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
-                    for step, t in zip(res.logits, tokens)]
+        res = _generate(model, ids, torch.ones_like(ids), n, output_logits=True, return_dict_in_generate=True)
+        tokens = res.sequences[0, len(prompt) :].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(res.logits, tokens)]
         out.append({"tokens": tokens, "logprobs": logprobs})
     return out
 
@@ -109,8 +122,8 @@ def run_hf_static(job: dict) -> dict:
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(dev), mask.to(dev)
     with torch.inference_mode():
         _generate(model, ids[:2, -16:], mask[:2, -16:], 4)  # warm-up
@@ -126,10 +139,18 @@ def run_hf_static(job: dict) -> dict:
                 if (v := tpot(clock.times[0], clock.times[n - 1], n)) is not None:
                     metrics.tpot_s.append(v)
             runs.append(metrics.summary())
-    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(),
-            "settings": {"batch": len(prompts), "padded_prompt_len": width,
-                         "max_new_tokens": max(outs), "padding": "left",
-                         "attn_implementation": "sdpa", "threads": torch.get_num_threads()}}
+    return {
+        "runs": runs,
+        "peak_rss_mb": tree_peak_rss_mb(),
+        "settings": {
+            "batch": len(prompts),
+            "padded_prompt_len": width,
+            "max_new_tokens": max(outs),
+            "padding": "left",
+            "attn_implementation": "sdpa",
+            "threads": torch.get_num_threads(),
+        },
+    }
 
 
 def run_hf_generate_batch(job: dict) -> dict:
@@ -138,8 +159,7 @@ def run_hf_generate_batch(job: dict) -> dict:
 
     model = _hf_model(job)
     prompts, outs = job["prompts"], job["output_lens"]
-    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1,
-                                  pad_token_id=0)
+    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
     # Default settings; --quick caps the cache (the default sizes it from free RAM: ~8 GB here).
     cb_config = ContinuousBatchingConfig(**job.get("hf_cb_overrides", {}))
     runs, settings = [], {}
@@ -147,19 +167,20 @@ def run_hf_generate_batch(job: dict) -> dict:
         # A fresh manager per run: its block sharing would otherwise hit on the previous
         # run's identical prompts.
         with model.continuous_batching_context_manager(
-                generation_config=gen_config, continuous_batching_config=cb_config,
-                block=True, timeout=10) as manager:
+            generation_config=gen_config, continuous_batching_config=cb_config, block=True, timeout=10
+        ) as manager:
             _cb_collect(manager, [(f"warm{r}_{i}", prompts[i][:16], 4) for i in range(2)])
             t0 = time.perf_counter()
-            results = _cb_collect(manager, [(f"r{r}_{i}", p, n)
-                                            for i, (p, n) in enumerate(zip(prompts, outs))])
+            results = _cb_collect(manager, [(f"r{r}_{i}", p, n) for i, (p, n) in enumerate(zip(prompts, outs))])
             wall = time.perf_counter() - t0
             metrics = RunMetrics(wall, sum(outs))
             for i, n in enumerate(outs):
                 ts = results[f"r{r}_{i}"].timestamps
                 if len(results[f"r{r}_{i}"].generated_tokens) != n:
-                    raise RuntimeError(f"generate_batch returned {len(results[f'r{r}_{i}'].generated_tokens)} "
-                                       f"tokens for request {i}, asked {n}")
+                    raise RuntimeError(
+                        f"generate_batch returned {len(results[f'r{r}_{i}'].generated_tokens)} "
+                        f"tokens for request {i}, asked {n}"
+                    )
                 metrics.ttft_s.append(ts[0] - t0)
                 if (v := tpot(ts[0], ts[n - 1], n)) is not None:
                     metrics.tpot_s.append(v)
@@ -173,8 +194,7 @@ def run_hf_generate_batch(job: dict) -> dict:
 
 def _cb_collect(manager, requests):
     for rid, prompt, n in requests:
-        manager.add_request(list(prompt), request_id=rid, max_new_tokens=n,
-                            record_timestamps=True, eos_token_id=-1)
+        manager.add_request(list(prompt), request_id=rid, max_new_tokens=n, record_timestamps=True, eos_token_id=-1)
     pending = {rid for rid, _, _ in requests}
     results = {}
     while pending:
@@ -219,10 +239,15 @@ def omnistage_settings(job: dict) -> dict:
     block = 16
     blocks = sum(-(-(len(p) + n) // block) for p, n in zip(job["prompts"], job["output_lens"]))
     return {
-        "checkpoint": job["checkpoint"], "device": job["device"], "dtype": job["dtype"],
-        "threads": job["threads"], "budget": job.get("budget", 2048),
-        "max_seqs": max(len(job["prompts"]), 1), "block_size": block,
-        "num_kv_blocks": int(blocks * 1.25) + 64, "max_model_len": max(longest, 1024),
+        "checkpoint": job["checkpoint"],
+        "device": job["device"],
+        "dtype": job["dtype"],
+        "threads": job["threads"],
+        "budget": job.get("budget", 2048),
+        "max_seqs": max(len(job["prompts"]), 1),
+        "block_size": block,
+        "num_kv_blocks": int(blocks * 1.25) + 64,
+        "max_model_len": max(longest, 1024),
     }
 
 
@@ -251,8 +276,15 @@ class _PipelineDriver:
                 tokens.extend(data.tolist() if hasattr(data, "tolist") else data)
             elif chunk.port == "info" and chunk.data is not None:
                 info = chunk.data
-        return {"first": first - t0, "last": last - t0, "count": len(tokens), "info": info,
-                "tokens": tokens, "t_first": first, "t_last": last}
+        return {
+            "first": first - t0,
+            "last": last - t0,
+            "count": len(tokens),
+            "info": info,
+            "tokens": tokens,
+            "t_first": first,
+            "t_last": last,
+        }
 
     def run_all(self, prompts, params_list) -> tuple[list[dict], float, float]:
         async def go():
@@ -282,11 +314,18 @@ class _EngineDriver:
         from omnistage.stages.ar import EngineConfig, LLMEngine
 
         torch.set_num_threads(settings["threads"])
-        self.engine = LLMEngine(EngineConfig(
-            model_path=settings["checkpoint"], dtype=getattr(torch, settings["dtype"]),
-            device=settings["device"], block_size=settings["block_size"],
-            num_kv_blocks=settings["num_kv_blocks"], max_num_batched_tokens=settings["budget"],
-            max_num_seqs=settings["max_seqs"], max_model_len=settings["max_model_len"]))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model_path=settings["checkpoint"],
+                dtype=getattr(torch, settings["dtype"]),
+                device=settings["device"],
+                block_size=settings["block_size"],
+                num_kv_blocks=settings["num_kv_blocks"],
+                max_num_batched_tokens=settings["budget"],
+                max_num_seqs=settings["max_seqs"],
+                max_model_len=settings["max_model_len"],
+            )
+        )
         self._n = 0
 
     def run_all(self, prompts, params_list):
@@ -315,15 +354,25 @@ class _EngineDriver:
                         s["logprobs"] += [{"logprob": lp[t]} for t, lp in zip(o.new_token_ids, o.new_logprobs)]
                     s.setdefault("tokens", []).extend(o.new_token_ids)
                 if o.finished:
-                    s["info"] = {"usage": {"prompt_tokens": o.num_prompt_tokens,
-                                           "cached_tokens": o.num_cached_tokens},
-                                 "logprobs": s["logprobs"], "tokens": s.get("tokens", [])}
+                    s["info"] = {
+                        "usage": {"prompt_tokens": o.num_prompt_tokens, "cached_tokens": o.num_cached_tokens},
+                        "logprobs": s["logprobs"],
+                        "tokens": s.get("tokens", []),
+                    }
         res = []
         for rid in order:
             s = state[rid]
-            res.append({"first": s["first"] - t0, "last": s["last"] - t0, "count": s["count"],
-                        "info": s["info"], "tokens": s.get("tokens", []),
-                        "t_first": s["first"], "t_last": s["last"]})
+            res.append(
+                {
+                    "first": s["first"] - t0,
+                    "last": s["last"] - t0,
+                    "count": s["count"],
+                    "info": s["info"],
+                    "tokens": s.get("tokens", []),
+                    "t_first": s["first"],
+                    "t_last": s["last"],
+                }
+            )
         return res, t0, time.perf_counter()
 
     def stats(self):
@@ -341,8 +390,7 @@ def run_omnistage(job: dict) -> dict:
             driver = _PipelineDriver(job, settings)
         except Exception as exc:  # noqa: BLE001 - fall back, and say so in the JSON
             fallback_reason = f"{type(exc).__name__}: {exc}"
-            print(f"bench ar: Pipeline unavailable ({fallback_reason}); measuring engine-direct",
-                  flush=True)
+            print(f"bench ar: Pipeline unavailable ({fallback_reason}); measuring engine-direct", flush=True)
     if driver is None:
         driver = _EngineDriver(job, settings)
     try:
@@ -375,11 +423,9 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
         print(f"bench ar: omnistage run {r + 1}/{job['runs']}: {metrics.tok_s:.1f} tok/s", flush=True)
 
     if not job.get("extras", True):
-        return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "mode": driver.mode,
-                "settings": settings}
+        return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "mode": driver.mode, "settings": settings}
     # greedy check requests: tokens + logprobs
-    res, _, _ = driver.run_all(job["check_prompts"],
-                               [params(n, "check", logprobs=0) for n in job["check_output_lens"]])
+    res, _, _ = driver.run_all(job["check_prompts"], [params(n, "check", logprobs=0) for n in job["check_output_lens"]])
     greedy = []
     for x in res:
         info = x["info"] or {}
@@ -388,9 +434,15 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
 
     prefix = _prefix_part(driver, job) if job.get("prefix") else None
     stats = driver.stats()
-    return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "greedy": greedy, "prefix": prefix,
-            "mode": driver.mode, "settings": settings,
-            "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
+    return {
+        "runs": runs,
+        "peak_rss_mb": tree_peak_rss_mb(),
+        "greedy": greedy,
+        "prefix": prefix,
+        "mode": driver.mode,
+        "settings": settings,
+        "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
+    }
 
 
 def _prefix_part(driver, job: dict) -> dict:
@@ -405,8 +457,9 @@ def _prefix_part(driver, job: dict) -> dict:
                 # cached: one salt, so every request after the first reuses the prefix blocks;
                 # uncached: a unique salt per request, so nothing is ever shared.
                 salt = f"prefix{r}" if mode == "cached" else f"prefix{r}-{i}"
-                (x,), t0, _ = driver.run_all([prompt], [{"max_tokens": n, "temperature": 0.0,
-                                                         "ignore_eos": True, "cache_salt": salt}])
+                (x,), t0, _ = driver.run_all(
+                    [prompt], [{"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "cache_salt": salt}]
+                )
                 usage = (x["info"] or {}).get("usage", {})
                 if i > 0:  # the first request warms the cache
                     ttfts.append(x["first"])

@@ -39,7 +39,7 @@ _OMP_POLICY_APPLIED_HERE = "torch" not in sys.modules
 
 import torch  # noqa: E402
 
-from omnistage.bench.diffusion_baselines import (
+from omnistage.bench.diffusion_baselines import (  # noqa: E402
     GUIDANCE_SCALE,
     MAX_SEQUENCE_LENGTH,
     BenchRequest,
@@ -50,7 +50,7 @@ from omnistage.bench.diffusion_baselines import (
     run_serial,
     service_times,
 )
-from omnistage.bench.diffusion_model import DENOISER_CONFIG, bench_model_dir, load_reference_pipeline
+from omnistage.bench.diffusion_model import DENOISER_CONFIG, bench_model_dir, load_reference_pipeline  # noqa: E402
 
 PROMPTS = [
     "a photo of a cat sitting on a red chair",
@@ -86,8 +86,15 @@ class BenchConfig:
         if not quick:
             return cls()
         return cls(
-            quick=True, saturation_requests=4, saturation_steps=(1, 3), saturation_repeats=1,
-            mixed_requests=6, mixed_small_steps=1, mixed_large_steps=2, mixed_traces=1, capacity_samples=1,
+            quick=True,
+            saturation_requests=4,
+            saturation_steps=(1, 3),
+            saturation_repeats=1,
+            mixed_requests=6,
+            mixed_small_steps=1,
+            mixed_large_steps=2,
+            mixed_traces=1,
+            capacity_samples=1,
         )
 
 
@@ -173,8 +180,13 @@ def start_omnistage(model_dir: Path, cfg: BenchConfig):
 
 def _generation(r: BenchRequest) -> dict:
     return {
-        "width": r.size, "height": r.size, "num_inference_steps": r.steps, "seed": r.seed,
-        "guidance_scale": GUIDANCE_SCALE, "negative_prompt": "", "max_sequence_length": MAX_SEQUENCE_LENGTH,
+        "width": r.size,
+        "height": r.size,
+        "num_inference_steps": r.steps,
+        "seed": r.seed,
+        "guidance_scale": GUIDANCE_SCALE,
+        "negative_prompt": "",
+        "max_sequence_length": MAX_SEQUENCE_LENGTH,
         "output_type": "float",
     }
 
@@ -213,8 +225,9 @@ def run_omnistage(pipe, requests: list[BenchRequest]) -> RunResult:
     wait_after = _denoiser_wait_totals(pipe)
     served = wait_after[1] - wait_before[1]
     engine_wait = (wait_after[0] - wait_before[0]) / served if served > 0 else float("nan")
-    return RunResult([records[r.index] for r in requests], wall,
-                     {"step_ms_p50": step_ms, "denoiser_queue_wait_ms_mean": engine_wait})
+    return RunResult(
+        [records[r.index] for r in requests], wall, {"step_ms_p50": step_ms, "denoiser_queue_wait_ms_mean": engine_wait}
+    )
 
 
 def _denoiser_wait_totals(pipe) -> tuple[float, float]:
@@ -284,8 +297,13 @@ def measure_capacity(ref, cfg: BenchConfig) -> dict:
     t_small = statistics.fmean(service_times(run_serial(ref, small)))
     t_large = statistics.fmean(service_times(run_serial(ref, large)))
     mean_service = (2 * t_small + t_large) / 3
-    return {"service_s_small": t_small, "service_s_large": t_large, "mean_service_s": mean_service,
-            "capacity_rps": 1.0 / mean_service, "arrival_rate_rps": cfg.load / mean_service}
+    return {
+        "service_s_small": t_small,
+        "service_s_large": t_large,
+        "mean_service_s": mean_service,
+        "capacity_rps": 1.0 / mean_service,
+        "arrival_rate_rps": cfg.load / mean_service,
+    }
 
 
 def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
@@ -340,8 +358,10 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
             }
             for name in _rotated(list(systems), k):
                 fn = systems[name]
-                log(f"mixed trace {k + 1}/{cfg.mixed_traces} ({len(trace)} requests over "
-                    f"{trace[-1].arrival_s:.1f}s): {name}")
+                log(
+                    f"mixed trace {k + 1}/{cfg.mixed_traces} ({len(trace)} requests over "
+                    f"{trace[-1].arrival_s:.1f}s): {name}"
+                )
                 res = fn(trace)
                 row[name] = latency_figures(res)
                 if name == "omnistage":
@@ -356,8 +376,10 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
             return spread([t[system][key] for t in traces])
 
         for system in ("serial", "request_batching", "omnistage"):
-            out[system] = {key: med(system, key) for key in
-                           ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean", "throughput_rps")}
+            out[system] = {
+                key: med(system, key)
+                for key in ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean", "throughput_rps")
+            }
             out[system]["saturation_throughput_rps"] = spread(runs[system])
         out["omnistage"]["step_ms_p50"] = med("omnistage", "step_ms_p50")
         out["omnistage"]["denoiser_queue_wait_ms_mean"] = med("omnistage", "denoiser_queue_wait_ms_mean")
@@ -376,8 +398,11 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
         wait_vs_step = [t["omnistage"]["queue_wait_ms_mean"] / max(t["omnistage"]["step_ms_p50"], 1e-9) for t in traces]
         out["ratios"] = {k: v["median"] for k, v in ratios.items()}
         out["ratios_spread"] = ratios
-        out["checks"] = {"equal_diffusers": bool(equal_diff is not None and equal_diff < 1e-3),
-                         "equal_diffusers_max_abs_diff": equal_diff, "equal_diffusers_requests": 4}
+        out["checks"] = {
+            "equal_diffusers": bool(equal_diff is not None and equal_diff < 1e-3),
+            "equal_diffusers_max_abs_diff": equal_diff,
+            "equal_diffusers_requests": 4,
+        }
         targets = {
             "throughput_vs_serial": (out["ratios"]["throughput_vs_serial"], ">=", 1.0),
             "throughput_vs_ideal": (out["ratios"]["throughput_vs_ideal"], ">=", 0.9),
@@ -386,8 +411,10 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
             "p99_latency_vs_serial": (out["ratios"]["p99_latency_vs_serial"], "<=", 1.5),
             "queue_wait_ms_mean_vs_step_ms_p50": (statistics.median(wait_vs_step), "<=", 1.0),
         }
-        out["targets"] = {k: {"value": v, "target": f"{op} {t}", "met": (v >= t if op == ">=" else v <= t)}
-                          for k, (v, op, t) in targets.items()}
+        out["targets"] = {
+            k: {"value": v, "target": f"{op} {t}", "met": (v >= t if op == ">=" else v <= t)}
+            for k, (v, op, t) in targets.items()
+        }
         out["elapsed_s"] = time.perf_counter() - t_start
         loads = [x for _, x in LOADAVG]
         out["machine_loadavg_1m"] = {"min": min(loads), "max": max(loads), "median": statistics.median(loads)}
@@ -428,14 +455,27 @@ def _rotated(names: list[str], k: int) -> list[str]:
 
 def _config_summary(cfg: BenchConfig, model_dir: Path) -> dict:
     return {
-        "quick": cfg.quick, "threads": cfg.threads, "max_batch_size": cfg.max_batch_size,
-        "denoiser": DENOISER_CONFIG, "dtype": "float32", "guidance_scale": GUIDANCE_SCALE,
+        "quick": cfg.quick,
+        "threads": cfg.threads,
+        "max_batch_size": cfg.max_batch_size,
+        "denoiser": DENOISER_CONFIG,
+        "dtype": "float32",
+        "guidance_scale": GUIDANCE_SCALE,
         "text_tokens": {"clip": MAX_SEQUENCE_LENGTH, "t5": MAX_SEQUENCE_LENGTH},
-        "sizes": {"small": SMALL, "large": LARGE}, "model_dir": str(model_dir),
-        "saturation": {"requests": cfg.saturation_requests, "steps": list(cfg.saturation_steps),
-                       "repeats": cfg.saturation_repeats},
-        "mixed": {"requests": cfg.mixed_requests, "small_steps": cfg.mixed_small_steps,
-                  "large_steps": cfg.mixed_large_steps, "traces": cfg.mixed_traces, "load": cfg.load},
+        "sizes": {"small": SMALL, "large": LARGE},
+        "model_dir": str(model_dir),
+        "saturation": {
+            "requests": cfg.saturation_requests,
+            "steps": list(cfg.saturation_steps),
+            "repeats": cfg.saturation_repeats,
+        },
+        "mixed": {
+            "requests": cfg.mixed_requests,
+            "small_steps": cfg.mixed_small_steps,
+            "large_steps": cfg.mixed_large_steps,
+            "traces": cfg.mixed_traces,
+            "load": cfg.load,
+        },
         "torch": torch.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "omp_wait_policy_applied_in_bench_process": _OMP_POLICY_APPLIED_HERE,
@@ -443,8 +483,9 @@ def _config_summary(cfg: BenchConfig, model_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="omnistage bench diffusion", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="omnistage bench diffusion", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", dest="json_path", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="reduced workloads (about a minute)")
     ap.add_argument("--max-batch-size", type=int, default=None)
@@ -463,8 +504,16 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(result, indent=2, default=float)
     if args.json_path:
         Path(args.json_path).write_text(text)
-    print(json.dumps({"ratios": result["ratios"], "checks": result["checks"],
-                      "targets": {k: v["met"] for k, v in result["targets"].items()}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "ratios": result["ratios"],
+                "checks": result["checks"],
+                "targets": {k: v["met"] for k, v in result["targets"].items()},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -189,8 +189,11 @@ def run_ideal(pipe, requests: list[BenchRequest], max_batch_size: int) -> RunRes
     for start in range(0, len(requests), max_batch_size):
         chunk = requests[start : start + max_batch_size]
         pe, ne, pp, npp = pipe.encode_prompt(
-            prompt=[r.prompt for r in chunk], prompt_2=None, prompt_3=None,
-            negative_prompt=[""] * len(chunk), do_classifier_free_guidance=True,
+            prompt=[r.prompt for r in chunk],
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=[""] * len(chunk),
+            do_classifier_free_guidance=True,
             max_sequence_length=MAX_SEQUENCE_LENGTH,
         )
         for i, r in enumerate(chunk):
@@ -209,8 +212,10 @@ def run_ideal(pipe, requests: list[BenchRequest], max_batch_size: int) -> RunRes
                     s = sched_cls.from_config(sched_cfg)
                     s.set_timesteps(r.steps)
                     sigmas_for[r.steps] = (s.sigmas.clone(), s.timesteps.clone())
-                lat = torch.randn((1, transformer.config.in_channels, size // scale, size // scale),
-                                  generator=torch.Generator("cpu").manual_seed(r.seed))
+                lat = torch.randn(
+                    (1, transformer.config.in_channels, size // scale, size // scale),
+                    generator=torch.Generator("cpu").manual_seed(r.seed),
+                )
                 active.append({"r": r, "x": lat, "i": 0, "sig": sigmas_for[r.steps]})
             x = torch.cat([a["x"] for a in active])
             sig = torch.stack([a["sig"][0][a["i"]] for a in active])
@@ -222,8 +227,11 @@ def run_ideal(pipe, requests: list[BenchRequest], max_batch_size: int) -> RunRes
                 if records[a["r"].index].first_step is None:
                     records[a["r"].index].first_step = time.perf_counter()
             out = transformer(
-                hidden_states=torch.cat([x, x]), timestep=torch.cat([ts, ts]),
-                encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False,
+                hidden_states=torch.cat([x, x]),
+                timestep=torch.cat([ts, ts]),
+                encoder_hidden_states=emb,
+                pooled_projections=pooled,
+                return_dict=False,
             )[0]
             uncond, text = out.chunk(2)
             guided = uncond + GUIDANCE_SCALE * (text - uncond)

@@ -47,17 +47,28 @@ def _tokenizer(style: str, vocab_size: int, max_length: int):
     """A fast tokenizer trained on a fixed corpus. style "clip": <bos> text <eos>; "t5": text </s>."""
     if style == "clip":
         return train_unigram_tokenizer(
-            _CORPUS, vocab_size, bos="<|startoftext|>", eos="<|endoftext|>", pad="<|endoftext|>",
-            specials=["<|endoftext|>", "<|startoftext|>", "<unk>"], lowercase=True,
-            model_max_length=max_length)
-    return train_unigram_tokenizer(_CORPUS, vocab_size, eos="</s>", pad="<pad>", lowercase=True,
-                                   model_max_length=max_length)
+            _CORPUS,
+            vocab_size,
+            bos="<|startoftext|>",
+            eos="<|endoftext|>",
+            pad="<|endoftext|>",
+            specials=["<|endoftext|>", "<|startoftext|>", "<unk>"],
+            lowercase=True,
+            model_max_length=max_length,
+        )
+    return train_unigram_tokenizer(
+        _CORPUS, vocab_size, eos="</s>", pad="<pad>", lowercase=True, model_max_length=max_length
+    )
 
 
 def build_bench_sd3(out_dir: Path) -> None:
     """Write the benchmark pipeline (StableDiffusion3Pipeline layout) into out_dir."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from diffusers import StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     clip_tok = _tokenizer("clip", 256, CLIP_TOKENS)

@@ -256,16 +256,22 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
         "targets": {k: f"{op} {b}" for k, (op, b) in TARGETS.items()},
         "meets_targets": meets,
         "settings": {
-            "quick": quick, "runs": runs, "tensor_mib": mib, "hops_per_run": hops_per_run,
-            "transfers_per_run": transfers_per_run, "graph4_requests_per_run": graph_per_run,
-            "torch_threads_per_worker": 1, "start_method": "forkserver",
+            "quick": quick,
+            "runs": runs,
+            "tensor_mib": mib,
+            "hops_per_run": hops_per_run,
+            "transfers_per_run": transfers_per_run,
+            "graph4_requests_per_run": graph_per_run,
+            "torch_threads_per_worker": 1,
+            "start_method": "forkserver",
         },
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="omnistage bench runtime", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="omnistage bench runtime", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke run (8 MiB, few samples)")
     ap.add_argument("--runs", type=int, default=3, help="runs per figure (median reported; >= 3)")
     ap.add_argument("--json", dest="json_path", help="write the results to this file")

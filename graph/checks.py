@@ -11,10 +11,16 @@ from omnistage.graph.fields import Field
 from omnistage.graph.nodes import MapNode, Node, Problem, ScalarNode, SeqNode, describe
 from omnistage.graph.spec import SourcePos
 
-
 # Common spellings difflib would not match to the format's words.
-ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
-           "float": "float32", "gpu": "cuda", "continous": "continuous"}
+ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "gpu": "cuda",
+    "continous": "continuous",
+}
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -88,8 +94,9 @@ class Report:
             self.add(node.pos, f"{where} must be {_type_words(field)}, got {describe(node)}")
             return False, None
         if field.enum is not None and value not in field.enum:
-            self.add(node.pos, f"{where}: {value!r} is not one of {', '.join(field.enum)}"
-                               f"{did_you_mean(value, field.enum)}")
+            self.add(
+                node.pos, f"{where}: {value!r} is not one of {', '.join(field.enum)}{did_you_mean(value, field.enum)}"
+            )
             return False, None
         if field.pattern is not None and not re.match(field.pattern, value):
             self.add(node.pos, f"{where}: {value!r} is not a valid name (must match {field.pattern})")
@@ -138,8 +145,14 @@ def _type_ok(value: Any, type_: str) -> bool:
 
 
 def _type_words(field: Field) -> str:
-    words = {"string": "a string", "integer": "an integer", "number": "a number",
-             "boolean": "true or false", "mapping": "a mapping", "list": "a list"}.get(field.type, "a value")
+    words = {
+        "string": "a string",
+        "integer": "an integer",
+        "number": "a number",
+        "boolean": "true or false",
+        "mapping": "a mapping",
+        "list": "a list",
+    }.get(field.type, "a value")
     if field.minimum is not None:
         words += f" >= {_num(field.minimum)}"
     if field.exclusive_minimum is not None:

@@ -53,8 +53,10 @@ def to_mermaid(spec: PipelineSpec) -> str:
         out.append(f'    {_node_id(PIPELINE_OUTPUTS, port)}(["{PIPELINE_OUTPUTS}.{port}: {type_}"])')
     for edge in spec.edges:
         arrow = "-.->" if edge.streaming else "-->"
-        out.append(f'    {_node_id(edge.src.stage, edge.src.port)} {arrow}|"{_edge_label(edge)}"| '
-                   f"{_node_id(edge.dst.stage, edge.dst.port)}")
+        out.append(
+            f'    {_node_id(edge.src.stage, edge.src.port)} {arrow}|"{_edge_label(edge)}"| '
+            f"{_node_id(edge.dst.stage, edge.dst.port)}"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -68,19 +70,29 @@ def _dot_id(stage: str, port: str) -> str:
 
 
 def to_dot(spec: PipelineSpec) -> str:
-    out = [f"digraph {_dot_quote(spec.name)} {{", "    rankdir=LR;",
-           '    node [fontname="Helvetica", fontsize=10];', '    edge [fontname="Helvetica", fontsize=9];']
+    out = [
+        f"digraph {_dot_quote(spec.name)} {{",
+        "    rankdir=LR;",
+        '    node [fontname="Helvetica", fontsize=10];',
+        '    edge [fontname="Helvetica", fontsize=9];',
+    ]
     for port, type_ in spec.inputs.items():
-        out.append(f"    {_dot_quote(f'in_{port}')} [shape=oval, label={_dot_quote(f'{PIPELINE_INPUTS}.{port}: {type_}')}];")
+        out.append(
+            f"    {_dot_quote(f'in_{port}')} [shape=oval, label={_dot_quote(f'{PIPELINE_INPUTS}.{port}: {type_}')}];"
+        )
     for name in spec.topo_order() or list(spec.stages):
         label = "\\n".join(line.replace('"', '\\"') for line in _stage_label(spec, name))
         out.append(f'    {_dot_quote(f"s_{name}")} [shape=box, style=rounded, label="{label}"];')
     for port, type_ in spec.outputs.items():
-        out.append(f"    {_dot_quote(f'out_{port}')} [shape=oval, label={_dot_quote(f'{PIPELINE_OUTPUTS}.{port}: {type_}')}];")
+        out.append(
+            f"    {_dot_quote(f'out_{port}')} [shape=oval, label={_dot_quote(f'{PIPELINE_OUTPUTS}.{port}: {type_}')}];"
+        )
     for edge in spec.edges:
         style = ", style=dashed" if edge.streaming else ""
-        out.append(f"    {_dot_id(edge.src.stage, edge.src.port)} -> "
-                   f"{_dot_id(edge.dst.stage, edge.dst.port)} [label={_dot_quote(_edge_label(edge))}{style}];")
+        out.append(
+            f"    {_dot_id(edge.src.stage, edge.src.port)} -> "
+            f"{_dot_id(edge.dst.stage, edge.dst.port)} [label={_dot_quote(_edge_label(edge))}{style}];"
+        )
     out.append("}")
     return "\n".join(out) + "\n"
 
@@ -109,11 +121,13 @@ def draw_command(file: str, fmt: str, output: str | None, overrides: list[str] |
             return 2
         dot = shutil.which("dot")
         if dot is None:
-            print("omnistage graph: PNG needs graphviz's `dot` on PATH (apt-get install graphviz); "
-                  "--format dot or --format mermaid print text without it", file=sys.stderr)
+            print(
+                "omnistage graph: PNG needs graphviz's `dot` on PATH (apt-get install graphviz); "
+                "--format dot or --format mermaid print text without it",
+                file=sys.stderr,
+            )
             return 1
-        result = subprocess.run([dot, "-Tpng", "-o", output], input=to_dot(spec), text=True,
-                                capture_output=True)
+        result = subprocess.run([dot, "-Tpng", "-o", output], input=to_dot(spec), text=True, capture_output=True)
         if result.returncode != 0:
             print(f"omnistage graph: dot failed: {result.stderr.strip()}", file=sys.stderr)
             return 1

@@ -31,39 +31,50 @@ DEVICE_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
 MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?\s*(B|[KMGT]i?B|[KMGT])?$"
 
 PIPELINE = {
-    "name": Field("string", "Pipeline name (what /v1/models lists and requests select).",
-                  required=True, pattern=PIPELINE_NAME_PATTERN),
+    "name": Field(
+        "string",
+        "Pipeline name (what /v1/models lists and requests select).",
+        required=True,
+        pattern=PIPELINE_NAME_PATTERN,
+    ),
     "description": Field("string", "Free text shown in listings."),
     "inputs": Field("mapping", "Pipeline input ports: {port: type}. Edges read them as `inputs.PORT`."),
-    "outputs": Field("mapping", "Pipeline output ports: {port: type}. Edges write them as `outputs.PORT`.",
-                     required=True),
-    "stages": Field("mapping", "Stages by name: {name: {kind, model, pool, batching, params}}.",
-                    required=True),
-    "edges": Field("list", "Connections: [{from: stage.port, to: stage.port, stream, max_inflight}].",
-                   required=True),
+    "outputs": Field(
+        "mapping", "Pipeline output ports: {port: type}. Edges write them as `outputs.PORT`.", required=True
+    ),
+    "stages": Field("mapping", "Stages by name: {name: {kind, model, pool, batching, params}}.", required=True),
+    "edges": Field("list", "Connections: [{from: stage.port, to: stage.port, stream, max_inflight}].", required=True),
     "limits": Field("mapping", "Admission control: {max_queued_requests, deadline_s}."),
 }
 
 STAGE = {
     "kind": Field("string", "Registered stage kind (torch_module, ar_lm, denoiser, ...).", required=True),
-    "model": Field("special", "Weights: a local path, a hub id, `tiny:<recipe>`, or "
-                              "{source, subfolder, prefix}."),
+    "model": Field("special", "Weights: a local path, a hub id, `tiny:<recipe>`, or {source, subfolder, prefix}."),
     "pool": Field("mapping", "Where and how many: {devices, replicas, dtype, threads, memory}."),
     "batching": Field("special", "Batching policy and knobs, or just the policy name."),
     "params": Field("mapping", "Kind-specific settings, checked by the kind's validate_params()."),
 }
 
 MODEL = {
-    "source": Field("string", "Local path (relative paths start at the YAML file's folder), "
-                              "hub id (local HF cache only), or `tiny:<recipe>`.", required=True),
+    "source": Field(
+        "string",
+        "Local path (relative paths start at the YAML file's folder), "
+        "hub id (local HF cache only), or `tiny:<recipe>`.",
+        required=True,
+    ),
     "subfolder": Field("string", "Subfolder inside the checkpoint (e.g. `transformer`).", nullable=True),
-    "prefix": Field("string", "Weight-name prefix selecting this stage's weights in a shared "
-                              "checkpoint (e.g. `thinker.`).", nullable=True),
+    "prefix": Field(
+        "string",
+        "Weight-name prefix selecting this stage's weights in a shared checkpoint (e.g. `thinker.`).",
+        nullable=True,
+    ),
 }
 
 POOL = {
-    "devices": Field("special", "Devices for the replicas, round-robin: a list or a comma "
-                                "string of `cpu`, `cuda`, `cuda:N`. Default [cpu]."),
+    "devices": Field(
+        "special",
+        "Devices for the replicas, round-robin: a list or a comma string of `cpu`, `cuda`, `cuda:N`. Default [cpu].",
+    ),
     "replicas": Field("integer", "Worker processes for this stage. Default 1.", minimum=1),
     "dtype": Field("string", "Weight/activation dtype. Default float32.", enum=DTYPES),
     "threads": Field("integer", "torch intra-op threads per worker. Default 1.", minimum=1),
@@ -83,41 +94,64 @@ BATCHING_KNOBS: dict[str, dict[str, Field]] = {
     "step": {
         "max_batch_size": Field("integer", "Most requests advanced per step. Default 8.", minimum=1),
         "max_wait_ms": Field("number", "Longest a new request waits to join. Default 2.", minimum=0),
-        "max_latent_tokens": Field("integer", "Bound on latent tokens per step.", minimum=1,
-                                   nullable=True),
+        "max_latent_tokens": Field("integer", "Bound on latent tokens per step.", minimum=1, nullable=True),
     },
     "none": {},
 }
 assert set(BATCHING_KNOBS) == set(BATCHING_POLICIES)
 
-BATCHING_POLICY = Field("string", "dynamic | continuous | step | none. Default: the kind's first "
-                                  "supported policy.", enum=BATCHING_POLICIES)
+BATCHING_POLICY = Field(
+    "string", "dynamic | continuous | step | none. Default: the kind's first supported policy.", enum=BATCHING_POLICIES
+)
 
 EDGE = {
     "from": Field("string", "Producer: `stage.port` or `inputs.PORT`.", required=True),
     "to": Field("string", "Consumer: `stage.port` or `outputs.PORT`.", required=True),
-    "stream": Field("special", "Deliver chunks while the producer runs: {chunk, left_context} "
-                               "or true. The consumer port must accept streaming input."),
-    "max_inflight": Field("integer", "Most requests between the producer taking them and the consumer finishing them (backpressure: a full edge holds the producer back).",
-                          minimum=1, nullable=True),
+    "stream": Field(
+        "special",
+        "Deliver chunks while the producer runs: {chunk, left_context} "
+        "or true. The consumer port must accept streaming input.",
+    ),
+    "max_inflight": Field(
+        "integer",
+        "Most requests between the producer taking them and the consumer finishing them (backpressure: a full edge holds the producer back).",
+        minimum=1,
+        nullable=True,
+    ),
 }
 
 STREAM = {
     "chunk": Field("integer", "Items along dim 0 per delivered chunk. Default 1.", minimum=1),
-    "left_context": Field("integer", "Items of the previous chunk repeated at the head of the "
-                                     "next. Default 0.", minimum=0),
+    "left_context": Field(
+        "integer", "Items of the previous chunk repeated at the head of the next. Default 0.", minimum=0
+    ),
 }
 
 LIMITS = {
-    "max_queued_requests": Field("integer", "Intake queue bound; a full queue rejects at once "
-                                            "(overloaded). Default 256.", minimum=1),
-    "deadline_s": Field("number", "Default per-request deadline in seconds (null: none).",
-                        exclusive_minimum=0, nullable=True),
+    "max_queued_requests": Field(
+        "integer", "Intake queue bound; a full queue rejects at once (overloaded). Default 256.", minimum=1
+    ),
+    "deadline_s": Field(
+        "number", "Default per-request deadline in seconds (null: none).", exclusive_minimum=0, nullable=True
+    ),
 }
 
-_MEMORY_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-                 "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
-                 "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4}
+_MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
 
 
 def memory_bytes(text: str) -> int:

@@ -47,8 +47,13 @@ def _substitute(node: ScalarNode, environ: Mapping[str, str], problems: list[Pro
         parsed = _NAME_AND_DEFAULT.match(match.group(1))
         where = node.sub_pos(match.start())
         if parsed is None:
-            problems.append(Problem(where, f"malformed variable reference {match.group(0)!r}; "
-                                           "write ${NAME}, ${NAME:-default} or ${NAME-default}"))
+            problems.append(
+                Problem(
+                    where,
+                    f"malformed variable reference {match.group(0)!r}; "
+                    "write ${NAME}, ${NAME:-default} or ${NAME-default}",
+                )
+            )
             ok = False
             continue
         name, op, default = parsed.groups()
@@ -58,9 +63,14 @@ def _substitute(node: ScalarNode, environ: Mapping[str, str], problems: list[Pro
         elif op == "-" and value is None:
             value = default
         if value is None:
-            problems.append(Problem(where, f"environment variable {name} is not set and "
-                                           f"{match.group(0)!r} gives no default "
-                                           f"(write ${{{name}:-default}})"))
+            problems.append(
+                Problem(
+                    where,
+                    f"environment variable {name} is not set and "
+                    f"{match.group(0)!r} gives no default "
+                    f"(write ${{{name}:-default}})",
+                )
+            )
             ok = False
             continue
         out.append(value)

@@ -44,8 +44,12 @@ def resolve_pipeline_path(path_or_name: str | os.PathLike) -> Path:
     return Path(text)
 
 
-def load_pipeline(path_or_name: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
-                  *, environ: Mapping[str, str] | None = None) -> PipelineSpec:
+def load_pipeline(
+    path_or_name: str | os.PathLike,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> PipelineSpec:
     path = resolve_pipeline_path(path_or_name)
     file = str(path)
     try:
@@ -61,9 +65,14 @@ def load_pipeline(path_or_name: str | os.PathLike, overrides: list[str] | tuple[
     return load_pipeline_text(text, file, overrides, source=path.resolve(), environ=environ)
 
 
-def load_pipeline_text(text: str, file: str = "<string>", overrides: list[str] | tuple[str, ...] = (),
-                       *, source: Path | None = None,
-                       environ: Mapping[str, str] | None = None) -> PipelineSpec:
+def load_pipeline_text(
+    text: str,
+    file: str = "<string>",
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    source: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> PipelineSpec:
     """Same as load_pipeline for YAML text already in memory (`file` names it in messages)."""
     root, problems = parse_yaml(text, file)
     if root is not None:

@@ -49,13 +49,13 @@ class ScalarNode:
 @dataclass
 class MapNode:
     pos: SourcePos
-    entries: dict[str, "Node"] = field(default_factory=dict)
+    entries: dict[str, Node] = field(default_factory=dict)
     key_pos: dict[str, SourcePos] = field(default_factory=dict)
 
-    def get(self, key: str) -> "Node | None":
+    def get(self, key: str) -> Node | None:
         return self.entries.get(key)
 
-    def set(self, key: str, node: "Node", key_pos: SourcePos) -> None:
+    def set(self, key: str, node: Node, key_pos: SourcePos) -> None:
         self.entries[key] = node
         self.key_pos.setdefault(key, key_pos)
 
@@ -63,7 +63,7 @@ class MapNode:
 @dataclass
 class SeqNode:
     pos: SourcePos
-    items: list["Node"] = field(default_factory=list)
+    items: list[Node] = field(default_factory=list)
 
 
 Node = MapNode | SeqNode | ScalarNode
@@ -142,8 +142,9 @@ def _convert(obj: Any, pos: SourcePos, file: str, lines: list[str]) -> Node:
             node.items.append(_convert(value, _pos(file, il, ic), file, lines))
         return node
     line = lines[pos.line - 1] if 0 < pos.line <= len(lines) else None
-    return ScalarNode(_scalar_value(obj), pos, quoted=isinstance(obj, ScalarString) and _is_quoted(obj),
-                      source_text=line)
+    return ScalarNode(
+        _scalar_value(obj), pos, quoted=isinstance(obj, ScalarString) and _is_quoted(obj), source_text=line
+    )
 
 
 def _is_quoted(value: ScalarString) -> bool:
@@ -166,8 +167,12 @@ def parse_yaml(text: str, file: str) -> tuple[Node | None, list[Problem]]:
         return None, [Problem(SourcePos(file, 1, 1), f"YAML syntax error: {err}")]
     lines = text.splitlines()
     if data is None:
-        return None, [Problem(SourcePos(file, 1, 1), "the file is empty; a pipeline is a mapping "
-                                                      "with name, inputs, outputs, stages, edges")]
+        return None, [
+            Problem(
+                SourcePos(file, 1, 1),
+                "the file is empty; a pipeline is a mapping with name, inputs, outputs, stages, edges",
+            )
+        ]
     start = SourcePos(file, 1, 1)
     if isinstance(data, (dict, list)):
         start = _pos(file, data.lc.line, data.lc.col)

@@ -30,8 +30,7 @@ def _apply_one(root: Node, index: int, text: str, problems: list[Problem]) -> No
     at = SourcePos(file, 1, 1)
     path, eq, value_text = text.partition("=")
     if not eq or not path.strip():
-        problems.append(Problem(at, f"override {text!r} is not PATH=VALUE "
-                                    "(e.g. stages.llm.pool.devices=[cuda:0])"))
+        problems.append(Problem(at, f"override {text!r} is not PATH=VALUE (e.g. stages.llm.pool.devices=[cuda:0])"))
         return
     segments = path.split(".")
     value_col = len(path) + 2
@@ -55,9 +54,14 @@ def _apply_one(root: Node, index: int, text: str, problems: list[Problem]) -> No
             return
         if isinstance(node, SeqNode):
             if not segment.isdigit() or int(segment) >= len(node.items):
-                problems.append(Problem(seg_pos, f"unknown override path {path!r}: {where} is a list "
-                                                 f"of {len(node.items)} items; use an index 0.."
-                                                 f"{max(len(node.items) - 1, 0)}"))
+                problems.append(
+                    Problem(
+                        seg_pos,
+                        f"unknown override path {path!r}: {where} is a list "
+                        f"of {len(node.items)} items; use an index 0.."
+                        f"{max(len(node.items) - 1, 0)}",
+                    )
+                )
                 return
             if is_last:
                 node.items[int(segment)] = value_node
@@ -67,8 +71,7 @@ def _apply_one(root: Node, index: int, text: str, problems: list[Problem]) -> No
             child = node.get(segment)
             if child is None and where == "stages" and depth == 1:
                 hint = _did_you_mean(segment, list(node.entries))
-                problems.append(Problem(seg_pos, f"unknown override path {path!r}: no stage named "
-                                                 f"{segment!r}{hint}"))
+                problems.append(Problem(seg_pos, f"unknown override path {path!r}: no stage named {segment!r}{hint}"))
                 return
             if is_last:
                 node.set(segment, value_node, seg_pos)
@@ -78,8 +81,9 @@ def _apply_one(root: Node, index: int, text: str, problems: list[Problem]) -> No
                 node.set(segment, child, seg_pos)
             node = child
         else:
-            problems.append(Problem(seg_pos, f"unknown override path {path!r}: {where} is a "
-                                             "single value, not a mapping"))
+            problems.append(
+                Problem(seg_pos, f"unknown override path {path!r}: {where} is a single value, not a mapping")
+            )
             return
         col += len(segment) + 1
 

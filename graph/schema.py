@@ -13,8 +13,11 @@ from typing import Any
 from omnistage.graph import fields as F
 from omnistage.graph.spec import PORT_TYPES
 
-_ENV_REF = {"type": "string", "pattern": r"\$\{[^}]+\}",
-            "description": "holds an ${VAR:-default} reference, checked after interpolation"}
+_ENV_REF = {
+    "type": "string",
+    "pattern": r"\$\{[^}]+\}",
+    "description": "holds an ${VAR:-default} reference, checked after interpolation",
+}
 
 
 def _field(field: F.Field) -> dict[str, Any]:
@@ -56,11 +59,16 @@ def _batching() -> dict[str, Any]:
         variants.append(variant)
     return {
         "description": F.STAGE["batching"].doc,
-        "anyOf": [{"type": "string", "enum": list(F.BATCHING_KNOBS)},
-                  # policy omitted: the kind's default policy; its knobs are checked at load
-                  {"type": "object", "not": {"required": ["policy"]},
-                   "propertyNames": {"enum": sorted({k for v in F.BATCHING_KNOBS.values() for k in v})}},
-                  *variants],
+        "anyOf": [
+            {"type": "string", "enum": list(F.BATCHING_KNOBS)},
+            # policy omitted: the kind's default policy; its knobs are checked at load
+            {
+                "type": "object",
+                "not": {"required": ["policy"]},
+                "propertyNames": {"enum": sorted({k for v in F.BATCHING_KNOBS.values() for k in v})},
+            },
+            *variants,
+        ],
     }
 
 
@@ -72,46 +80,72 @@ def json_schema() -> dict[str, Any]:
     }
     device = {"type": "string", "pattern": F.DEVICE_PATTERN}
     model_map = _object(F.MODEL, {})
-    stage = _object(F.STAGE, {
-        "model": {"description": F.STAGE["model"].doc,
-                  "anyOf": [{"type": "string", "minLength": 1}, model_map]},
-        "pool": _object(F.POOL, {
-            "devices": {"description": F.POOL["devices"].doc,
-                        "anyOf": [{"type": "array", "items": {"anyOf": [device, _ENV_REF]}, "minItems": 1},
-                                  {"type": "string",
-                                   "pattern": r"^\s*(cpu|cuda(:[0-9]+)?)(\s*,\s*(cpu|cuda(:[0-9]+)?))*\s*$"},
-                                  _ENV_REF]},
-            "memory": {"description": F.POOL["memory"].doc,
-                       "anyOf": [{"type": "string", "pattern": F.MEMORY_PATTERN},
-                                 {"type": "integer", "minimum": 1}, _ENV_REF]},
-        }),
-        "batching": _batching(),
-        "params": {"type": ["object", "null"], "description": F.STAGE["params"].doc},
-    })
+    stage = _object(
+        F.STAGE,
+        {
+            "model": {"description": F.STAGE["model"].doc, "anyOf": [{"type": "string", "minLength": 1}, model_map]},
+            "pool": _object(
+                F.POOL,
+                {
+                    "devices": {
+                        "description": F.POOL["devices"].doc,
+                        "anyOf": [
+                            {"type": "array", "items": {"anyOf": [device, _ENV_REF]}, "minItems": 1},
+                            {
+                                "type": "string",
+                                "pattern": r"^\s*(cpu|cuda(:[0-9]+)?)(\s*,\s*(cpu|cuda(:[0-9]+)?))*\s*$",
+                            },
+                            _ENV_REF,
+                        ],
+                    },
+                    "memory": {
+                        "description": F.POOL["memory"].doc,
+                        "anyOf": [
+                            {"type": "string", "pattern": F.MEMORY_PATTERN},
+                            {"type": "integer", "minimum": 1},
+                            _ENV_REF,
+                        ],
+                    },
+                },
+            ),
+            "batching": _batching(),
+            "params": {"type": ["object", "null"], "description": F.STAGE["params"].doc},
+        },
+    )
     endpoint = {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_-]*\.[A-Za-z_][A-Za-z0-9_-]*$"}
-    edge = _object(F.EDGE, {
-        "from": {**endpoint, "description": F.EDGE["from"].doc},
-        "to": {**endpoint, "description": F.EDGE["to"].doc},
-        "stream": {"description": F.EDGE["stream"].doc,
-                   "anyOf": [{"type": ["boolean", "null"]}, _object(F.STREAM, {})]},
-    })
-    schema = _object(F.PIPELINE, {
-        "inputs": {**port_map, "description": F.PIPELINE["inputs"].doc},
-        "outputs": {**port_map, "description": F.PIPELINE["outputs"].doc, "minProperties": 1},
-        "stages": {"type": "object", "description": F.PIPELINE["stages"].doc, "minProperties": 1,
-                   "propertyNames": {"pattern": F.NAME_PATTERN,
-                                     "not": {"enum": ["inputs", "outputs"]}},
-                   "additionalProperties": {"$ref": "#/$defs/stage"}},
-        "edges": {"type": "array", "description": F.PIPELINE["edges"].doc,
-                  "items": {"$ref": "#/$defs/edge"}},
-        "limits": _object(F.LIMITS, {}),
-    })
+    edge = _object(
+        F.EDGE,
+        {
+            "from": {**endpoint, "description": F.EDGE["from"].doc},
+            "to": {**endpoint, "description": F.EDGE["to"].doc},
+            "stream": {
+                "description": F.EDGE["stream"].doc,
+                "anyOf": [{"type": ["boolean", "null"]}, _object(F.STREAM, {})],
+            },
+        },
+    )
+    schema = _object(
+        F.PIPELINE,
+        {
+            "inputs": {**port_map, "description": F.PIPELINE["inputs"].doc},
+            "outputs": {**port_map, "description": F.PIPELINE["outputs"].doc, "minProperties": 1},
+            "stages": {
+                "type": "object",
+                "description": F.PIPELINE["stages"].doc,
+                "minProperties": 1,
+                "propertyNames": {"pattern": F.NAME_PATTERN, "not": {"enum": ["inputs", "outputs"]}},
+                "additionalProperties": {"$ref": "#/$defs/stage"},
+            },
+            "edges": {"type": "array", "description": F.PIPELINE["edges"].doc, "items": {"$ref": "#/$defs/edge"}},
+            "limits": _object(F.LIMITS, {}),
+        },
+    )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://omnistage.dev/schemas/pipeline.json",
         "title": "omnistage pipeline",
         "description": "A multi-stage pipeline: typed input/output ports, stages, and the edges "
-                       "between them. See docs/pipelines.md.",
+        "between them. See docs/pipelines.md.",
         **schema,
         "$defs": {"stage": stage, "edge": edge},
     }

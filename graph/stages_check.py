@@ -36,18 +36,19 @@ class StageInfo:
     extra: dict = field(default_factory=dict)
 
 
-def check_stage(name: str, key_pos: SourcePos, node: Node, report: Report,
-                base_dir: Path | None) -> StageInfo:
+def check_stage(name: str, key_pos: SourcePos, node: Node, report: Report, base_dir: Path | None) -> StageInfo:
     where = f"stages.{name}"
     spec = StageSpec(name=name, kind="", pos=key_pos)
     info = StageInfo(spec=spec, key_pos=key_pos)
     if not re.match(F.NAME_PATTERN, name):
-        report.add(key_pos, f"stage name {name!r} is not valid (letters, digits, _ and -, starting "
-                            "with a letter or _; no dots: edges write stage.port)")
+        report.add(
+            key_pos,
+            f"stage name {name!r} is not valid (letters, digits, _ and -, starting "
+            "with a letter or _; no dots: edges write stage.port)",
+        )
         info.ok = False
     elif name in (PIPELINE_INPUTS, PIPELINE_OUTPUTS):
-        report.add(key_pos, f"stage name {name!r} is reserved (edges use {name}.PORT for the "
-                            "pipeline's own ports)")
+        report.add(key_pos, f"stage name {name!r} is reserved (edges use {name}.PORT for the pipeline's own ports)")
         info.ok = False
     m = report.mapping(node, where, key_pos)
     if m is None:
@@ -70,17 +71,18 @@ def check_stage(name: str, key_pos: SourcePos, node: Node, report: Report,
 
     if m.get("model") is not None:
         spec.model = _model(m.get("model"), f"{where}.model", report, base_dir)
-    if cls is not None and getattr(cls, "needs_model", False) and spec.model is None \
-            and m.get("model") is None:
-        report.add(key_pos, f"{where}: stage kind {spec.kind!r} needs a model "
-                            "(model: <local path | hub id | tiny:recipe>)")
+    if cls is not None and getattr(cls, "needs_model", False) and spec.model is None and m.get("model") is None:
+        report.add(
+            key_pos, f"{where}: stage kind {spec.kind!r} needs a model (model: <local path | hub id | tiny:recipe>)"
+        )
 
     pool_node = m.get("pool")
     if pool_node is not None:
         spec.pool = _pool(pool_node, f"{where}.pool", report)
 
-    spec.batching = _batching(m.get("batching"), cls, spec.kind, f"{where}.batching",
-                              m.key_pos.get("batching", key_pos), report)
+    spec.batching = _batching(
+        m.get("batching"), cls, spec.kind, f"{where}.batching", m.key_pos.get("batching", key_pos), report
+    )
 
     params_at = m.key_pos.get("params", key_pos)
     params_node = m.get("params")
@@ -101,8 +103,7 @@ def _stage_class(kind: str, pos: SourcePos, report: Report):
 
     known = known_kinds()
     if kind not in known:
-        report.add(pos, f"unknown stage kind {kind!r}{did_you_mean(kind, known)}; known kinds: "
-                        f"{', '.join(known)}")
+        report.add(pos, f"unknown stage kind {kind!r}{did_you_mean(kind, known)}; known kinds: {', '.join(known)}")
         return None
     try:
         return get_stage_class(kind)
@@ -111,13 +112,15 @@ def _stage_class(kind: str, pos: SourcePos, report: Report):
     except BaseException as exc:  # noqa: BLE001 - a broken kind module must not crash validation
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        report.add(pos, f"stage kind {kind!r} could not be loaded from "
-                        f"{KIND_MODULES.get(kind)}: {type(exc).__name__}: {exc}")
+        report.add(
+            pos, f"stage kind {kind!r} could not be loaded from {KIND_MODULES.get(kind)}: {type(exc).__name__}: {exc}"
+        )
     return None
 
 
-def _kind_params_and_ports(cls, spec: StageSpec, info: StageInfo, params_at: SourcePos,
-                           where: str, report: Report) -> None:
+def _kind_params_and_ports(
+    cls, spec: StageSpec, info: StageInfo, params_at: SourcePos, where: str, report: Report
+) -> None:
     try:
         messages = list(cls.validate_params(dict(spec.params)) or [])
     except Exception as exc:  # noqa: BLE001
@@ -131,8 +134,9 @@ def _kind_params_and_ports(cls, spec: StageSpec, info: StageInfo, params_at: Sou
     except Exception as exc:  # noqa: BLE001
         info.ok = False
         if not messages:  # with bad params a failing ports() is expected, not news
-            report.add(params_at, f"{where}.params: kind {spec.kind!r} could not derive its "
-                                  f"ports: {type(exc).__name__}: {exc}")
+            report.add(
+                params_at, f"{where}.params: kind {spec.kind!r} could not derive its ports: {type(exc).__name__}: {exc}"
+            )
 
 
 # -- model ---------------------------------------------------------------------------------
@@ -145,15 +149,20 @@ def _model(node: Node, where: str, report: Report, base_dir: Path | None) -> Mod
         source_node = node.get("source")
         if source_node is None or "source" not in values:
             return None
-        return _model_source(source_node, f"{where}.source", report, base_dir,
-                             values.get("subfolder"), values.get("prefix"))
-    report.add(node.pos, f"{where} must be a string (path, hub id or tiny:recipe) or a mapping "
-                         f"{{source, subfolder, prefix}}, got {describe(node)}")
+        return _model_source(
+            source_node, f"{where}.source", report, base_dir, values.get("subfolder"), values.get("prefix")
+        )
+    report.add(
+        node.pos,
+        f"{where} must be a string (path, hub id or tiny:recipe) or a mapping "
+        f"{{source, subfolder, prefix}}, got {describe(node)}",
+    )
     return None
 
 
-def _model_source(node: ScalarNode, where: str, report: Report, base_dir: Path | None,
-                  subfolder: str | None, prefix: str | None) -> ModelRef | None:
+def _model_source(
+    node: ScalarNode, where: str, report: Report, base_dir: Path | None, subfolder: str | None, prefix: str | None
+) -> ModelRef | None:
     source = node.value.strip()
     if not source:
         report.add(node.pos, f"{where} is empty")
@@ -161,11 +170,13 @@ def _model_source(node: ScalarNode, where: str, report: Report, base_dir: Path |
     if source.startswith("tiny:"):
         from omnistage.models.recipes import known_recipes
 
-        recipe = source[len("tiny:"):]
+        recipe = source[len("tiny:") :]
         known = known_recipes()
         if recipe not in known:
-            report.add(node.pos, f"{where}: unknown tiny recipe {recipe!r}"
-                                 f"{did_you_mean(recipe, known)}; known: {', '.join(known)}")
+            report.add(
+                node.pos,
+                f"{where}: unknown tiny recipe {recipe!r}{did_you_mean(recipe, known)}; known: {', '.join(known)}",
+            )
             return None
     elif base_dir is not None and (source.startswith("./") or source.startswith("../")):
         source = str((base_dir / source).resolve())
@@ -209,12 +220,13 @@ def _devices(node: Node, where: str, report: Report) -> list[str]:
             if isinstance(item, ScalarNode) and isinstance(item.value, str):
                 items.append((item.value.strip(), item.pos))
             else:
-                report.add(item.pos, f"{where}: a device must be a string like cpu or cuda:0, "
-                                     f"got {describe(item)}")
+                report.add(item.pos, f"{where}: a device must be a string like cpu or cuda:0, got {describe(item)}")
                 return []
     else:
-        report.add(node.pos, f"{where} must be a list or a comma-separated string of devices "
-                             f"(cpu, cuda, cuda:N), got {describe(node)}")
+        report.add(
+            node.pos,
+            f"{where} must be a list or a comma-separated string of devices (cpu, cuda, cuda:N), got {describe(node)}",
+        )
         return []
     if not items:
         report.add(node.pos, f"{where} is empty; list at least one device")
@@ -244,14 +256,12 @@ def _memory(node: Node, where: str, report: Report) -> str | None:
                 return node.value.strip()
         except ValueError:
             pass
-    report.add(node.pos, f"{where}: {plain(node)!r} is not a memory size; write e.g. 512MiB, 2GiB "
-                         "or a byte count")
+    report.add(node.pos, f"{where}: {plain(node)!r} is not a memory size; write e.g. 512MiB, 2GiB or a byte count")
     return None
 
 
 # -- batching ------------------------------------------------------------------------------
-def _batching(node: Node | None, cls, kind: str, where: str, at: SourcePos,
-              report: Report) -> BatchingSpec:
+def _batching(node: Node | None, cls, kind: str, where: str, at: SourcePos, report: Report) -> BatchingSpec:
     supported = tuple(getattr(cls, "batching_policies", BATCHING_POLICIES)) if cls else BATCHING_POLICIES
     spec = BatchingSpec(policy=supported[0] if supported else "dynamic", pos=at)
     if node is None:
@@ -271,8 +281,11 @@ def _batching(node: Node | None, cls, kind: str, where: str, at: SourcePos,
         if not ok:
             return spec
         if cls is not None and policy not in supported:
-            report.add(policy_node.pos, f"{where}: stage kind {kind!r} does not support batching "
-                                        f"policy {policy!r} (supported: {', '.join(supported)})")
+            report.add(
+                policy_node.pos,
+                f"{where}: stage kind {kind!r} does not support batching "
+                f"policy {policy!r} (supported: {', '.join(supported)})",
+            )
             return spec
         spec.policy = policy
     if m is None:
@@ -286,12 +299,16 @@ def _batching(node: Node | None, cls, kind: str, where: str, at: SourcePos,
         if key not in knobs:
             owners = [p for p, fields in F.BATCHING_KNOBS.items() if key in fields]
             if owners:
-                report.add(key_pos, f"{where}.{key} is a knob of the {' / '.join(owners)} policy, "
-                                    f"not {spec.policy!r} ({spec.policy} knobs: "
-                                    f"{', '.join(knobs) or 'none'})")
+                report.add(
+                    key_pos,
+                    f"{where}.{key} is a knob of the {' / '.join(owners)} policy, "
+                    f"not {spec.policy!r} ({spec.policy} knobs: "
+                    f"{', '.join(knobs) or 'none'})",
+                )
             else:
-                report.add(key_pos, f"unknown key {key!r} in {where}"
-                                    f"{did_you_mean(key, sorted(all_knobs | {'policy'}))}")
+                report.add(
+                    key_pos, f"unknown key {key!r} in {where}{did_you_mean(key, sorted(all_knobs | {'policy'}))}"
+                )
             continue
         ok, value = report.scalar(child, knobs[key], f"{where}.{key}")
         if ok:

@@ -13,15 +13,15 @@ from omnistage.graph.stages_check import StageInfo, check_stage
 from omnistage.graph.wiring import PipelinePorts, check_edges, check_wiring
 
 
-def build_spec(root: Node, file: str, source: Path | None,
-               problems: list[Problem]) -> PipelineSpec | None:
+def build_spec(root: Node, file: str, source: Path | None, problems: list[Problem]) -> PipelineSpec | None:
     """The validated spec, or None when any problem was found (all appended to `problems`)."""
     report = Report(problems)
     report.muted = broken_positions(root)
     top = SourcePos(file, 1, 1)
     if not isinstance(root, MapNode):
-        report.add(root.pos, f"a pipeline file must be a mapping (name, inputs, outputs, stages, "
-                             f"edges), got {describe(root)}")
+        report.add(
+            root.pos, f"a pipeline file must be a mapping (name, inputs, outputs, stages, edges), got {describe(root)}"
+        )
         return None
     report.keys(root, F.PIPELINE, "the pipeline", top)
     values = report.fields(root, F.PIPELINE, "")
@@ -47,8 +47,7 @@ def build_spec(root: Node, file: str, source: Path | None,
         if not stages_node.entries:
             report.add(stages_node.pos, "stages is empty; a pipeline needs at least one stage")
         for stage_name, node in stages_node.entries.items():
-            stages[stage_name] = check_stage(stage_name, stages_node.key_pos[stage_name], node,
-                                             report, base_dir)
+            stages[stage_name] = check_stage(stage_name, stages_node.key_pos[stage_name], node, report, base_dir)
 
     edges = check_edges(root.get("edges"), report) if root.get("edges") is not None else []
     outputs_at = root.key_pos.get("outputs", top)
@@ -84,19 +83,26 @@ def _ports(root: MapNode, section: str, report: Report) -> tuple[dict[str, str] 
         key_pos = m.key_pos[port]
         positions[port] = key_pos
         if not re.match(F.NAME_PATTERN, port):
-            report.add(key_pos, f"{section}: port name {port!r} is not valid (letters, digits, _ "
-                                "and -, starting with a letter or _)")
+            report.add(
+                key_pos,
+                f"{section}: port name {port!r} is not valid (letters, digits, _ and -, starting with a letter or _)",
+            )
             ok = False
             continue
         if not (isinstance(type_node, ScalarNode) and isinstance(type_node.value, str)):
-            report.add(type_node.pos, f"{section}.{port} must be a port type "
-                                      f"({', '.join(PORT_TYPES)}), got {describe(type_node)}")
+            report.add(
+                type_node.pos,
+                f"{section}.{port} must be a port type ({', '.join(PORT_TYPES)}), got {describe(type_node)}",
+            )
             ok = False
             continue
         if type_node.value not in PORT_TYPES:
-            report.add(type_node.pos, f"{section}.{port}: unknown port type {type_node.value!r}"
-                                      f"{did_you_mean(type_node.value, PORT_TYPES)}; types: "
-                                      f"{', '.join(PORT_TYPES)}")
+            report.add(
+                type_node.pos,
+                f"{section}.{port}: unknown port type {type_node.value!r}"
+                f"{did_you_mean(type_node.value, PORT_TYPES)}; types: "
+                f"{', '.join(PORT_TYPES)}",
+            )
             ok = False
             continue
         ports[port] = type_node.value

@@ -51,8 +51,7 @@ def check_edges(node: Node, report: Report) -> list[EdgeInfo]:
         stream = _stream(m.get("stream"), f"{where}.stream", report)
         if src is None or dst is None:
             continue
-        spec = EdgeSpec(src=src, dst=dst, stream=stream, max_inflight=values.get("max_inflight"),
-                        pos=m.pos)
+        spec = EdgeSpec(src=src, dst=dst, stream=stream, max_inflight=values.get("max_inflight"), pos=m.pos)
         edges.append(EdgeInfo(spec, m.get("from"), m.get("to"), m.key_pos.get("stream")))
     return edges
 
@@ -62,17 +61,18 @@ def _endpoint(node: Node | None, value: str | None, where: str, report: Report) 
         return None
     stage, dot, port = value.partition(".")
     if not dot or not stage or not port:
-        report.add(node.pos, f"{where}: {value!r} is not stage.port (e.g. llm.text, inputs.prompt, "
-                             "outputs.audio)")
+        report.add(node.pos, f"{where}: {value!r} is not stage.port (e.g. llm.text, inputs.prompt, outputs.audio)")
         return None
     endpoint = Endpoint(stage.strip(), port.strip())
     if where.endswith(".from") and endpoint.stage == PIPELINE_OUTPUTS:
-        report.add(node.pos, f"an edge cannot start at {endpoint}: pipeline outputs are sinks "
-                             f"(write it as `to: {endpoint}`)")
+        report.add(
+            node.pos, f"an edge cannot start at {endpoint}: pipeline outputs are sinks (write it as `to: {endpoint}`)"
+        )
         return None
     if where.endswith(".to") and endpoint.stage == PIPELINE_INPUTS:
-        report.add(node.pos, f"an edge cannot end at {endpoint}: pipeline inputs are sources "
-                             f"(write it as `from: {endpoint}`)")
+        report.add(
+            node.pos, f"an edge cannot end at {endpoint}: pipeline inputs are sources (write it as `from: {endpoint}`)"
+        )
         return None
     return endpoint
 
@@ -90,8 +90,9 @@ def _stream(node: Node | None, where: str, report: Report) -> StreamSpec | None:
     return StreamSpec(**report.fields(m, F.STREAM, where))
 
 
-def check_wiring(stages: dict[str, StageInfo], ports: PipelinePorts, edges: list[EdgeInfo],
-                 report: Report, outputs_at: SourcePos) -> None:
+def check_wiring(
+    stages: dict[str, StageInfo], ports: PipelinePorts, edges: list[EdgeInfo], report: Report, outputs_at: SourcePos
+) -> None:
     producers: dict[Endpoint, EdgeInfo] = {}
     for edge in edges:
         src_type = _source_type(edge, stages, ports, report)
@@ -101,33 +102,43 @@ def check_wiring(stages: dict[str, StageInfo], ports: PipelinePorts, edges: list
         dst_type, dst_streams = dst
         first = producers.get(edge.spec.dst)
         if first is not None:
-            report.add(edge.dst_node.pos, f"{edge.spec.dst} already has a producer "
-                                          f"({first.spec.src} at {first.dst_node.pos}); one producer "
-                                          "per input port (fan-in goes to different ports)")
+            report.add(
+                edge.dst_node.pos,
+                f"{edge.spec.dst} already has a producer "
+                f"({first.spec.src} at {first.dst_node.pos}); one producer "
+                "per input port (fan-in goes to different ports)",
+            )
         else:
             producers[edge.spec.dst] = edge
         if src_type is not None and dst_type is not None and not _compatible(src_type, dst_type):
-            report.add(edge.dst_node.pos, f"type mismatch: {edge.spec.src} is {src_type} but "
-                                          f"{edge.spec.dst} takes {dst_type}")
+            report.add(
+                edge.dst_node.pos, f"type mismatch: {edge.spec.src} is {src_type} but {edge.spec.dst} takes {dst_type}"
+            )
         if edge.spec.streaming and dst_streams is False:
-            report.add(edge.stream_pos or edge.spec.pos,
-                       f"streaming edge into {edge.spec.dst}, which does not accept chunks "
-                       "(its port is not streaming); drop `stream:` or connect a streaming port")
+            report.add(
+                edge.stream_pos or edge.spec.pos,
+                f"streaming edge into {edge.spec.dst}, which does not accept chunks "
+                "(its port is not streaming); drop `stream:` or connect a streaming port",
+            )
 
     for name, info in stages.items():
         if info.inputs is None:
             continue
         for port_name, port in info.inputs.items():
             if not port.optional and Endpoint(name, port_name) not in producers:
-                report.add(info.key_pos, f"input port {port_name!r} ({port.type}) of stage "
-                                         f"{name!r} is not connected; add an edge "
-                                         f"`to: {name}.{port_name}`")
+                report.add(
+                    info.key_pos,
+                    f"input port {port_name!r} ({port.type}) of stage "
+                    f"{name!r} is not connected; add an edge "
+                    f"`to: {name}.{port_name}`",
+                )
     if ports.outputs is not None:
         for port_name in ports.outputs:
             if Endpoint(PIPELINE_OUTPUTS, port_name) not in producers:
-                report.add(ports.output_pos.get(port_name, outputs_at),
-                           f"pipeline output {port_name!r} is not connected; add an edge "
-                           f"`to: outputs.{port_name}`")
+                report.add(
+                    ports.output_pos.get(port_name, outputs_at),
+                    f"pipeline output {port_name!r} is not connected; add an edge `to: outputs.{port_name}`",
+                )
     _check_cycles(stages, edges, report)
 
 
@@ -147,9 +158,12 @@ def _source_type(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report) -
         if ports.inputs is None:
             return None
         if src.port not in ports.inputs:
-            report.add(_port_pos(node, src), f"the pipeline has no input {src.port!r}"
-                                             f"{did_you_mean(src.port, ports.inputs)}; inputs: "
-                                             f"{', '.join(ports.inputs) or 'none'}")
+            report.add(
+                _port_pos(node, src),
+                f"the pipeline has no input {src.port!r}"
+                f"{did_you_mean(src.port, ports.inputs)}; inputs: "
+                f"{', '.join(ports.inputs) or 'none'}",
+            )
             return None
         return ports.inputs[src.port]
     info = _stage(src.stage, node, stages, report, "source")
@@ -157,10 +171,13 @@ def _source_type(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report) -
         return None
     port = info.outputs.get(src.port)
     if port is None:
-        report.add(_port_pos(node, src), f"stage {src.stage!r} (kind {info.kind_label}) has no "
-                                         f"output port {src.port!r}"
-                                         f"{did_you_mean(src.port, info.outputs)}; outputs: "
-                                         f"{', '.join(info.outputs) or 'none'}")
+        report.add(
+            _port_pos(node, src),
+            f"stage {src.stage!r} (kind {info.kind_label}) has no "
+            f"output port {src.port!r}"
+            f"{did_you_mean(src.port, info.outputs)}; outputs: "
+            f"{', '.join(info.outputs) or 'none'}",
+        )
         return None
     return port.type
 
@@ -172,9 +189,12 @@ def _dest(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report):
         if ports.outputs is None:
             return (None, None)
         if dst.port not in ports.outputs:
-            report.add(_port_pos(node, dst), f"the pipeline has no output {dst.port!r}"
-                                             f"{did_you_mean(dst.port, ports.outputs)}; outputs: "
-                                             f"{', '.join(ports.outputs) or 'none'}")
+            report.add(
+                _port_pos(node, dst),
+                f"the pipeline has no output {dst.port!r}"
+                f"{did_you_mean(dst.port, ports.outputs)}; outputs: "
+                f"{', '.join(ports.outputs) or 'none'}",
+            )
             return None
         return (ports.outputs[dst.port], True)  # outputs take chunks: they stream to the caller
     info = _stage(dst.stage, node, stages, report, "destination")
@@ -184,21 +204,22 @@ def _dest(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report):
         return (None, None)
     port = info.inputs.get(dst.port)
     if port is None:
-        report.add(_port_pos(node, dst), f"stage {dst.stage!r} (kind {info.kind_label}) has no "
-                                         f"input port {dst.port!r}"
-                                         f"{did_you_mean(dst.port, info.inputs)}; inputs: "
-                                         f"{', '.join(info.inputs) or 'none'}")
+        report.add(
+            _port_pos(node, dst),
+            f"stage {dst.stage!r} (kind {info.kind_label}) has no "
+            f"input port {dst.port!r}"
+            f"{did_you_mean(dst.port, info.inputs)}; inputs: "
+            f"{', '.join(info.inputs) or 'none'}",
+        )
         return None
     return (port.type, port.streaming)
 
 
-def _stage(name: str, node: ScalarNode, stages: dict[str, StageInfo], report: Report,
-           role: str) -> StageInfo | None:
+def _stage(name: str, node: ScalarNode, stages: dict[str, StageInfo], report: Report, role: str) -> StageInfo | None:
     info = stages.get(name)
     if info is None:
         names = list(stages) + [PIPELINE_INPUTS, PIPELINE_OUTPUTS]
-        report.add(node.pos, f"edge {role} {node.value!r}: no stage named {name!r}"
-                             f"{did_you_mean(name, names)}")
+        report.add(node.pos, f"edge {role} {node.value!r}: no stage named {name!r}{did_you_mean(name, names)}")
     return info
 
 
@@ -215,8 +236,7 @@ def _check_cycles(stages: dict[str, StageInfo], edges: list[EdgeInfo], report: R
             continue
         start = min(component, key=lambda n: (stages[n].key_pos.line, stages[n].key_pos.col))
         path, path_edges = _cycle_from(start, succ, members)
-        report.add(path_edges[0].spec.pos,
-                   f"cycle: {' -> '.join(path + [start])} (a pipeline graph must be acyclic)")
+        report.add(path_edges[0].spec.pos, f"cycle: {' -> '.join(path + [start])} (a pipeline graph must be acyclic)")
 
 
 def _strongly_connected(nodes: list[str], succ) -> list[list[str]]:

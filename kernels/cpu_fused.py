@@ -55,8 +55,7 @@ def _cpu_identity() -> bytes:
 def build_dir() -> Path:
     import torch
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode()
-                         + _cpu_identity())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_identity())
     root = Path(os.environ.get("OMNISTAGE_KERNEL_CACHE", Path.home() / ".cache" / "omnistage" / "kernels"))
     return root / f"cpu_fused-{key.hexdigest()[:16]}"
 
@@ -72,8 +71,11 @@ def load(verbose: bool = False) -> ModuleType | None:
         try:
             _module = _load(verbose)
         except Exception as exc:  # noqa: BLE001 - any build problem means: use the eager ops
-            log.warning("omnistage: fused CPU kernels unavailable, using eager ops (%s: %s)",
-                        type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+            log.warning(
+                "omnistage: fused CPU kernels unavailable, using eager ops (%s: %s)",
+                type(exc).__name__,
+                str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+            )
             _module = None
         _tried = True
         return _module
@@ -94,12 +96,12 @@ def _load(verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
     where.mkdir(parents=True, exist_ok=True)
-    print(f"omnistage: building fused CPU kernels in {where} (once per machine, ~30 s)...",
-          file=sys.stderr, flush=True)
+    print(f"omnistage: building fused CPU kernels in {where} (once per machine, ~30 s)...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     # the build directory holds a lock file, so concurrent workers wait for one build
-    module = cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                                build_directory=str(where), verbose=verbose)
+    module = cpp_extension.load(
+        name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(where), verbose=verbose
+    )
     print(f"omnistage: fused CPU kernels built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     tmp = where / f"ready.{os.getpid()}"
     tmp.write_text(str(built))

@@ -18,8 +18,8 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from omnistage.errors import InvalidRequestError
 
@@ -58,9 +58,7 @@ def _lookup(name: str) -> tuple[RecipeBuilder, str]:
     if name not in _RECIPES and name in RECIPE_MODULES:
         importlib.import_module(RECIPE_MODULES[name])
     if name not in _RECIPES:
-        raise InvalidRequestError(
-            f"unknown tiny recipe {name!r}; known: {', '.join(known_recipes()) or 'none'}"
-        )
+        raise InvalidRequestError(f"unknown tiny recipe {name!r}; known: {', '.join(known_recipes()) or 'none'}")
     return _RECIPES[name]
 
 

@@ -26,9 +26,7 @@ ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
-QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # Qwen's chat template, minus tool calling: an optional leading system message, then turns.
 CHAT_TEMPLATE = (
@@ -151,9 +149,7 @@ def build_qwen2_checkpoint(
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(dtype)
     model.eval()
-    model.generation_config = GenerationConfig(
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, do_sample=False
-    )
+    model.generation_config = GenerationConfig(eos_token_id=eos_token_id, pad_token_id=pad_token_id, do_sample=False)
     model.save_pretrained(str(out_dir))
 
 

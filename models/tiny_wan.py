@@ -34,8 +34,9 @@ _CORPUS = [
 
 def build_t5_style_tokenizer(vocab_size: int = 256):
     """A transformers fast tokenizer with T5's conventions, trained on a fixed corpus."""
-    return train_unigram_tokenizer(_CORPUS, vocab_size, eos="</s>", pad="<pad>",
-                                   collapse_double_spaces=True, pair_template=True)
+    return train_unigram_tokenizer(
+        _CORPUS, vocab_size, eos="</s>", pad="<pad>", collapse_double_spaces=True, pair_template=True
+    )
 
 
 @register_recipe("tiny-wan", version="1")

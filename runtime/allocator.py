@@ -46,9 +46,11 @@ def apply_allocator_defaults(environ: dict[str, str] | None = None) -> dict[str,
         return {}
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     applied = {}
-    for name, param, value in (("mmap_threshold", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                               ("trim_threshold", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                               ("top_pad", M_TOP_PAD, TOP_PAD)):
+    for name, param, value in (
+        ("mmap_threshold", M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        ("trim_threshold", M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        ("top_pad", M_TOP_PAD, TOP_PAD),
+    ):
         if mallopt(param, value) == 1:
             applied[name] = value
     return applied

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from omnistage.graph.spec import StreamSpec
+from omnistage.runtime.messages import RequestMeta
 from omnistage.stages.base import StageRequest
 from omnistage.stages.dynamic import combine_chunks
-from omnistage.runtime.messages import RequestMeta
 
 
 def _seq_len(x: Any) -> int | None:
@@ -102,8 +102,9 @@ class InputAssembler:
     def drop(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def deliver(self, rid: str, port: str | None, data: Any, has_data: bool, last: bool,
-                meta: RequestMeta | None) -> list[tuple]:
+    def deliver(
+        self, rid: str, port: str | None, data: Any, has_data: bool, last: bool, meta: RequestMeta | None
+    ) -> list[tuple]:
         a = self._requests.get(rid)
         if a is None:
             a = self._requests[rid] = _Assembly()

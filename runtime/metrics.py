@@ -12,7 +12,7 @@ outcome and in-flight requests are labelled by pipeline only.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -42,16 +42,32 @@ class PipelineMetricsCollector(Collector):
         self.stats_timeout = stats_timeout
 
     def collect(self):
-        queue = GaugeMetricFamily("omnistage_stage_queue_depth", "Requests at the stage waiting for inputs or admission", labels=_LABELS)
-        inflight = GaugeMetricFamily("omnistage_stage_inflight_requests", "Requests inside the stage's engine", labels=_LABELS)
-        batch_last = GaugeMetricFamily("omnistage_stage_batch_size_last", "Requests in the last engine step", labels=_LABELS)
-        ready = GaugeMetricFamily("omnistage_stage_ready", "1 when the replica's engine is built and serving", labels=_LABELS)
+        queue = GaugeMetricFamily(
+            "omnistage_stage_queue_depth", "Requests at the stage waiting for inputs or admission", labels=_LABELS
+        )
+        inflight = GaugeMetricFamily(
+            "omnistage_stage_inflight_requests", "Requests inside the stage's engine", labels=_LABELS
+        )
+        batch_last = GaugeMetricFamily(
+            "omnistage_stage_batch_size_last", "Requests in the last engine step", labels=_LABELS
+        )
+        ready = GaugeMetricFamily(
+            "omnistage_stage_ready", "1 when the replica's engine is built and serving", labels=_LABELS
+        )
         batch_hist = HistogramMetricFamily("omnistage_stage_batch_size", "Requests per engine step", labels=_LABELS)
         step_hist = HistogramMetricFamily("omnistage_stage_step_seconds", "Engine step duration", labels=_LABELS)
-        outcomes = CounterMetricFamily("omnistage_stage_requests", "Requests that left the stage, by outcome", labels=_LABELS + ["outcome"])
-        restarts = CounterMetricFamily("omnistage_stage_restarts", "Worker restarts after a worker died", labels=_LABELS)
-        p_requests = CounterMetricFamily("omnistage_pipeline_requests", "Pipeline requests, by outcome", labels=["pipeline", "outcome"])
-        p_inflight = GaugeMetricFamily("omnistage_pipeline_inflight_requests", "Requests admitted and not finished", labels=["pipeline"])
+        outcomes = CounterMetricFamily(
+            "omnistage_stage_requests", "Requests that left the stage, by outcome", labels=_LABELS + ["outcome"]
+        )
+        restarts = CounterMetricFamily(
+            "omnistage_stage_restarts", "Worker restarts after a worker died", labels=_LABELS
+        )
+        p_requests = CounterMetricFamily(
+            "omnistage_pipeline_requests", "Pipeline requests, by outcome", labels=["pipeline", "outcome"]
+        )
+        p_inflight = GaugeMetricFamily(
+            "omnistage_pipeline_inflight_requests", "Requests admitted and not finished", labels=["pipeline"]
+        )
         engine: dict[str, GaugeMetricFamily] = {}
         for p in self.pipelines:
             if getattr(p, "closed", False):
@@ -71,14 +87,29 @@ class PipelineMetricsCollector(Collector):
                     inflight.add_metric(labels, r["inflight"])
                     batch_last.add_metric(labels, r["batch_size_last"])
                     batch_hist.add_metric(labels, _buckets(BATCH_BUCKETS, r["batch_hist"]), r["batch_sum"])
-                    step_hist.add_metric(labels, _buckets(STEP_MS_BUCKETS, r["step_hist"], 1e-3), r["step_ms_sum"] / 1000.0)
+                    step_hist.add_metric(
+                        labels, _buckets(STEP_MS_BUCKETS, r["step_hist"], 1e-3), r["step_ms_sum"] / 1000.0
+                    )
                     for outcome, n in r.get("outcomes", {}).items():
                         outcomes.add_metric(labels + [outcome], n)
                     for stat, value in (r.get("engine") or {}).items():
                         if isinstance(value, (int, float)) and not isinstance(value, bool):
                             fam = engine.get(stat)
                             if fam is None:
-                                fam = engine[stat] = GaugeMetricFamily(_metric_name(stat), f"Engine figure {stat!r}", labels=_LABELS)
+                                fam = engine[stat] = GaugeMetricFamily(
+                                    _metric_name(stat), f"Engine figure {stat!r}", labels=_LABELS
+                                )
                             fam.add_metric(labels, float(value))
-        yield from (queue, inflight, batch_last, ready, batch_hist, step_hist, outcomes, restarts, p_requests, p_inflight)
+        yield from (
+            queue,
+            inflight,
+            batch_last,
+            ready,
+            batch_hist,
+            step_hist,
+            outcomes,
+            restarts,
+            p_requests,
+            p_inflight,
+        )
         yield from engine.values()

@@ -23,9 +23,10 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, Callable
+from typing import Any
 
 from omnistage.errors import (
     DeadlineExceededError,
@@ -194,9 +195,7 @@ class Orchestrator:
             for name, st in spec.stages.items()
         }
         self._port_edges = {name: port_out_edges(spec, name) for name in list(spec.stages) + [PIPELINE_INPUTS]}
-        self._in_edge_idx = {
-            name: [i for i, e in enumerate(spec.edges) if e.dst.stage == name] for name in spec.stages
-        }
+        self._in_edge_idx = {name: [i for i, e in enumerate(spec.edges) if e.dst.stage == name] for name in spec.stages}
         self._sources = [n for n in spec.stages if not self._in_edge_idx[n]]
         self._permits: dict[int, Any] = {}
         self._pool = SegmentPool(f"{self.shm_prefix}-parent")
@@ -210,7 +209,9 @@ class Orchestrator:
         self.started = False
         self._stats_seq = 0
         self._dead_segments: list[tuple[str, set]] = []  # (dead worker's file prefix, requests it may feed)
-        self.counts = {k: 0 for k in ("ok", "error", "invalid", "cancelled", "deadline", "rejected", "worker_died", "closed")}
+        self.counts = {
+            k: 0 for k in ("ok", "error", "invalid", "cancelled", "deadline", "rejected", "worker_died", "closed")
+        }
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -258,7 +259,12 @@ class Orchestrator:
             return {stage: live and bool(reps) and all(r.ready for r in reps) for stage, reps in self.replicas.items()}
 
     def start_errors(self) -> list[str]:
-        return [f"{r.name}: {r.start_error}" for reps in self.replicas.values() for r in reps if r.start_error and not r.ever_ready]
+        return [
+            f"{r.name}: {r.start_error}"
+            for reps in self.replicas.values()
+            for r in reps
+            if r.start_error and not r.ever_ready
+        ]
 
     def wait_ready(self, timeout: float | None = None) -> None:
         end = None if timeout is None else time.monotonic() + timeout
@@ -275,7 +281,9 @@ class Orchestrator:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     waiting = [r.name for reps in self.replicas.values() for r in reps if not r.ready]
-                    raise TimeoutError(f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})")
+                    raise TimeoutError(
+                        f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})"
+                    )
                 self._cond.wait(left if left is not None else 1.0)
 
     def close(self, drain_timeout: float = 30.0) -> None:
@@ -287,7 +295,11 @@ class Orchestrator:
             while self._requests and time.monotonic() < end:
                 self._cond.wait(min(0.1, max(0.0, end - time.monotonic())))
             for req in list(self._requests.values()):
-                self._finish(req, PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished"), "closed")
+                self._finish(
+                    req,
+                    PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished"),
+                    "closed",
+                )
             self._stopping = True
             starting = []
             for reps in self.replicas.values():
@@ -341,8 +353,14 @@ class Orchestrator:
                 pass
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, inputs: dict[str, Any], params: dict[str, dict] | None, sink: Sink,
-               request_id: str | None = None, deadline: float | None = None) -> str:
+    def submit(
+        self,
+        inputs: dict[str, Any],
+        params: dict[str, dict] | None,
+        sink: Sink,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> str:
         spec = self.spec
         if not isinstance(inputs, dict):
             raise InvalidRequestError("inputs must be a dict {pipeline input port: value}")
@@ -354,7 +372,9 @@ class Orchestrator:
         params = dict(params or {})
         bad = set(params) - set(spec.stages)
         if bad:
-            raise InvalidRequestError(f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params")
+            raise InvalidRequestError(
+                f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
+            )
         if deadline is None and spec.default_deadline_s:
             deadline = time.time() + spec.default_deadline_s
         rid = request_id or uuid.uuid4().hex
@@ -377,7 +397,9 @@ class Orchestrator:
         spec = self.spec
         with self._lock:
             if self.closing or self.closed or not self.started:
-                raise PipelineClosedError(f"pipeline {spec.name!r} is {'not started' if not self.started else 'closed'}")
+                raise PipelineClosedError(
+                    f"pipeline {spec.name!r} is {'not started' if not self.started else 'closed'}"
+                )
             if len(self._requests) >= spec.max_queued_requests:
                 self.counts["rejected"] += 1
                 raise OverloadedError(
@@ -399,7 +421,9 @@ class Orchestrator:
                 for slot, idx in enumerate(edges):
                     self._deliver(req, PIPELINE_INPUTS, idx, slot, payload, given, True)
             for stage in self._sources:
-                self._send(self._replica_for(req, stage), Deliver(rid, None, None, 0, True, False, self._meta(req, stage)))
+                self._send(
+                    self._replica_for(req, stage), Deliver(rid, None, None, 0, True, False, self._meta(req, stage))
+                )
         return rid
 
     def abort(self, rid: str) -> None:
@@ -434,7 +458,9 @@ class Orchestrator:
         except OSError:
             pass  # the worker died; its sentinel fires and the hub fails its requests
 
-    def _deliver(self, req: _Request, src_stage: str, idx: int, slot: int, payload: Any, has_data: bool, last: bool) -> None:
+    def _deliver(
+        self, req: _Request, src_stage: str, idx: int, slot: int, payload: Any, has_data: bool, last: bool
+    ) -> None:
         e = self.spec.edges[idx]
         if e.dst.stage == PIPELINE_OUTPUTS:
             data = decode(payload, self._reader, slot) if has_data else None
@@ -456,14 +482,20 @@ class Orchestrator:
         first = dst not in req.replicas
         r = self._replica_for(req, dst)
         if r.dead:
-            self._finish(req, WorkerDiedError(dst, f"replica {r.index} is down and could not be restarted: {r.start_error}"), "worker_died")
+            self._finish(
+                req,
+                WorkerDiedError(dst, f"replica {r.index} is down and could not be restarted: {r.start_error}"),
+                "worker_died",
+            )
             return
         if has_data:
             producer = req.replicas.get(src_stage)
             gen = producer.generation if producer is not None else 0
             for ref in iter_refs(payload):
                 req.sent_slots.setdefault(dst, []).append((producer, gen, ref.segment, ref.use, slot))
-        self._send(r, Deliver(req.rid, e.dst.port, payload, slot, last, has_data, self._meta(req, dst) if first else None))
+        self._send(
+            r, Deliver(req.rid, e.dst.port, payload, slot, last, has_data, self._meta(req, dst) if first else None)
+        )
 
     def _finish(self, req: _Request, error: BaseException | None, outcome: str) -> None:
         """End a request: abort it where it still runs, return permits, tell the caller."""
@@ -557,13 +589,18 @@ class Orchestrator:
         for req in held:
             self._finish(
                 req,
-                WorkerDiedError(r.stage, f"worker process of replica {r.index} (pid {r.pid}) died ({how}) while holding this request"),
+                WorkerDiedError(
+                    r.stage,
+                    f"worker process of replica {r.index} (pid {r.pid}) died ({how}) while holding this request",
+                ),
                 "worker_died",
             )
         self._reconcile_permits(r)
         # its own segments may still be on their way to readers: unlink once every request
         # in flight now has ended
-        self._dead_segments.append((f"{self.shm_prefix}-{r.stage}{r.index}g{r.generation}-{proc.pid}-", set(self._requests)))
+        self._dead_segments.append(
+            (f"{self.shm_prefix}-{r.stage}{r.index}g{r.generation}-{proc.pid}-", set(self._requests))
+        )
         if self._stopping or self.closing:
             return
         if not was_ready:
@@ -577,7 +614,11 @@ class Orchestrator:
                 r.dead = True
                 for msg in r.pending:
                     if isinstance(msg, Deliver) and msg.request_id in self._requests:
-                        self._finish(self._requests[msg.request_id], WorkerDiedError(r.stage, f"replica {r.index} cannot be restarted: {r.start_error}"), "worker_died")
+                        self._finish(
+                            self._requests[msg.request_id],
+                            WorkerDiedError(r.stage, f"replica {r.index} cannot be restarted: {r.start_error}"),
+                            "worker_died",
+                        )
                 r.pending.clear()
                 return
         r.pending.clear()
@@ -648,7 +689,9 @@ class Orchestrator:
     def _hub_loop(self) -> None:
         while True:
             with self._lock:
-                if self._stopping and all(r.conn is None or not r.proc.is_alive() for reps in self.replicas.values() for r in reps):
+                if self._stopping and all(
+                    r.conn is None or not r.proc.is_alive() for reps in self.replicas.values() for r in reps
+                ):
                     return
                 by_conn = {}
                 by_sentinel = {}
@@ -761,8 +804,13 @@ class Orchestrator:
             out = {}
             for stage, reps in self.replicas.items():
                 out[stage] = [
-                    {"replica": r.index, "ready": r.ready, "restarts": r.restarts, "held_requests": len(r.requests),
-                     **{k: v for k, v in r.last_stats.items() if k != "seq"}}
+                    {
+                        "replica": r.index,
+                        "ready": r.ready,
+                        "restarts": r.restarts,
+                        "held_requests": len(r.requests),
+                        **{k: v for k, v in r.last_stats.items() if k != "seq"},
+                    }
                     for r in reps
                 ]
             return out

@@ -1,9 +1,9 @@
 """The Pipeline API: the one way work is submitted to a stage graph (see docs/runtime.md).
 
-    p = Pipeline.from_yaml("configs/tiny-diamond.yaml")
-    out = p.run({"x": tensor}, params={"stage": {...}})
-    async for chunk in p.stream(inputs): ...
-    p.close()
+p = Pipeline.from_yaml("configs/tiny-diamond.yaml")
+out = p.run({"x": tensor}, params={"stage": {...}})
+async for chunk in p.stream(inputs): ...
+p.close()
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from omnistage.errors import DeadlineExceededError
 from omnistage.graph.spec import PipelineSpec
@@ -23,7 +24,7 @@ from omnistage.stages.dynamic import combine_chunks
 
 __all__ = ["Pipeline", "OutputChunk"]
 
-_live: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
+_live: weakref.WeakSet[Pipeline] = weakref.WeakSet()
 
 
 @atexit.register
@@ -59,7 +60,7 @@ class _LoopInbox:
             target.put_nowait(item)
 
 
-_inboxes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox]" = weakref.WeakKeyDictionary()
+_inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox] = weakref.WeakKeyDictionary()
 
 
 def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
@@ -78,16 +79,24 @@ class Pipeline:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def from_yaml(cls, path_or_name: str, overrides: Iterable[str] = (), *, start: bool = True,
-                  wait_ready: bool = True, ready_timeout: float = 600) -> "Pipeline":
+    def from_yaml(
+        cls,
+        path_or_name: str,
+        overrides: Iterable[str] = (),
+        *,
+        start: bool = True,
+        wait_ready: bool = True,
+        ready_timeout: float = 600,
+    ) -> Pipeline:
         from omnistage.graph.loader import load_pipeline
 
         spec = load_pipeline(str(path_or_name), list(overrides))
         return cls.from_spec(spec, start=start, wait_ready=wait_ready, ready_timeout=ready_timeout)
 
     @classmethod
-    def from_spec(cls, spec: PipelineSpec, *, start: bool = True, wait_ready: bool = True,
-                  ready_timeout: float = 600) -> "Pipeline":
+    def from_spec(
+        cls, spec: PipelineSpec, *, start: bool = True, wait_ready: bool = True, ready_timeout: float = 600
+    ) -> Pipeline:
         p = cls(spec)
         if start:
             p.start()
@@ -123,11 +132,19 @@ class Pipeline:
         return self._orch.shm_prefix
 
     def worker_pids(self) -> dict[str, list[int | None]]:
-        return {s: [r.proc.pid if r.proc is not None else None for r in reps] for s, reps in self._orch.replicas.items()}
+        return {
+            s: [r.proc.pid if r.proc is not None else None for r in reps] for s, reps in self._orch.replicas.items()
+        }
 
     # -- requests -------------------------------------------------------------------------------
-    def run(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, *,
-            timeout: float | None = None, request_id: str | None = None) -> dict[str, Any]:
+    def run(
+        self,
+        inputs: dict[str, Any],
+        params: dict[str, dict] | None = None,
+        *,
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> dict[str, Any]:
         sink: queue.SimpleQueue = queue.SimpleQueue()
         deadline = time.time() + timeout if timeout is not None else None
         rid = self._orch.submit(inputs, params, sink.put, request_id, deadline)
@@ -146,8 +163,14 @@ class Pipeline:
             if item.port is not None and item.data is not None:
                 chunks.setdefault(item.port, []).append(item.data)
 
-    async def stream(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, *,
-                     request_id: str | None = None, deadline_s: float | None = None) -> AsyncIterator[OutputChunk]:
+    async def stream(
+        self,
+        inputs: dict[str, Any],
+        params: dict[str, dict] | None = None,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> AsyncIterator[OutputChunk]:
         inbox = _inbox(asyncio.get_running_loop())
         items: asyncio.Queue = asyncio.Queue()
 
@@ -195,9 +218,15 @@ class Pipeline:
     def stage_stats(self, timeout: float = 2.0) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
         for stage, reps in self.replica_stats(timeout).items():
-            agg: dict[str, Any] = {"replicas": len(reps), "ready_replicas": sum(1 for r in reps if r["ready"]),
-                                   "restarts": sum(r["restarts"] for r in reps),
-                                   "queue_depth": 0, "inflight": 0, "batch_size_last": 0, "step_ms_p50": 0.0}
+            agg: dict[str, Any] = {
+                "replicas": len(reps),
+                "ready_replicas": sum(1 for r in reps if r["ready"]),
+                "restarts": sum(r["restarts"] for r in reps),
+                "queue_depth": 0,
+                "inflight": 0,
+                "batch_size_last": 0,
+                "step_ms_p50": 0.0,
+            }
             p50s = []
             for r in reps:
                 agg["queue_depth"] += r.get("queue_depth", 0)
@@ -221,7 +250,7 @@ class Pipeline:
         self._orch.close(drain_timeout)
         _live.discard(self)
 
-    def __enter__(self) -> "Pipeline":
+    def __enter__(self) -> Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -61,7 +61,7 @@ class InlineTensor:
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "InlineTensor":
+    def of(cls, t: torch.Tensor) -> InlineTensor:
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return cls(raw, t.dtype, tuple(t.shape))
 
@@ -79,7 +79,7 @@ class CudaTensorRef:
     blobs: tuple[bytes, ...]
 
     @classmethod
-    def of(cls, t: torch.Tensor, nreaders: int) -> "CudaTensorRef":
+    def of(cls, t: torch.Tensor, nreaders: int) -> CudaTensorRef:
         from multiprocessing.reduction import ForkingPickler
 
         import torch.multiprocessing  # noqa: F401 - registers the CUDA IPC reductions

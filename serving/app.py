@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
-from typing import Iterable
 
 from fastapi import APIRouter, FastAPI
 
@@ -23,8 +23,13 @@ from omnistage.serving.registry import PipelineRegistry
 from omnistage.serving.routes import ROUTER_MODULES
 
 
-def create_app(registry: PipelineRegistry, *, drain_timeout: float = 30.0,
-               routers: Iterable[APIRouter] = (), load_on_startup: bool = True) -> FastAPI:
+def create_app(
+    registry: PipelineRegistry,
+    *,
+    drain_timeout: float = 30.0,
+    routers: Iterable[APIRouter] = (),
+    load_on_startup: bool = True,
+) -> FastAPI:
     """Build the app. `routers`: extra routers to include after the ROUTER_MODULES ones."""
 
     @asynccontextmanager

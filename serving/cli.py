@@ -28,12 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("configs", nargs="*", help="pipeline YAML files or names under configs/")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds in-flight requests may still run")
-    p.add_argument("--ready-timeout", type=float, default=600.0,
-                   help="seconds a pipeline may take to load before it is marked failed")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds in-flight requests may still run"
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a pipeline may take to load before it is marked failed",
+    )
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
         "--set",
         dest="overrides",
@@ -41,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="[CONFIG:]PATH=VALUE",
         help="override a value in every config, or only in CONFIG (its file stem): "
-             "--set tiny-llm:stages.llm.pool.threads=2",
+        "--set tiny-llm:stages.llm.pool.threads=2",
     )
 
     p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
@@ -67,9 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from omnistage.serving.server import serve
 
-        return serve(args.configs, host=args.host, port=args.port, overrides=args.overrides,
-                     drain_timeout=args.drain_timeout, ready_timeout=args.ready_timeout,
-                     log_level=args.log_level) or 0
+        return (
+            serve(
+                args.configs,
+                host=args.host,
+                port=args.port,
+                overrides=args.overrides,
+                drain_timeout=args.drain_timeout,
+                ready_timeout=args.ready_timeout,
+                log_level=args.log_level,
+            )
+            or 0
+        )
     if args.command == "validate":
         from omnistage.graph.loader import PipelineValidationError, load_pipeline
 

@@ -4,7 +4,8 @@ cancellation of pipeline work when the HTTP client goes away."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, TypeVar
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import Request
 

@@ -32,16 +32,21 @@ def error_type_for(status: int) -> str:
     return "server_error"
 
 
-def error_body(message: str, *, status: int, code: str | None = None,
-               param: str | None = None, type: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type or error_type_for(status),
-                      "param": param, "code": code}}
+def error_body(
+    message: str, *, status: int, code: str | None = None, param: str | None = None, type: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type or error_type_for(status), "param": param, "code": code}}
 
 
-def error_response(message: str, *, status: int, code: str | None = None,
-                   param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status=status, code=code, param=param),
-                        status_code=status, headers=headers)
+def error_response(
+    message: str,
+    *,
+    status: int,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status=status, code=code, param=param), status_code=status, headers=headers)
 
 
 class ServiceUnavailableError(OmnistageError):
@@ -67,8 +72,13 @@ class ModelNotFoundError(NotFoundError):
 
 def omnistage_error_response(err: OmnistageError) -> JSONResponse:
     headers = {"Retry-After": "1"} if err.status == 503 else None
-    return error_response(str(err) or err.__class__.__name__, status=err.status, code=err.code,
-                          param=getattr(err, "param", None), headers=headers)
+    return error_response(
+        str(err) or err.__class__.__name__,
+        status=err.status,
+        code=err.code,
+        param=getattr(err, "param", None),
+        headers=headers,
+    )
 
 
 def _loc_to_param(loc: tuple | list) -> str | None:
@@ -92,8 +102,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         message = f"{param}: {msg}" if param else msg
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-    return error_response(message, status=400, code="invalid_value" if param else "invalid_request",
-                          param=param)
+    return error_response(message, status=400, code="invalid_value" if param else "invalid_request", param=param)
 
 
 def http_error_response(exc: StarletteHTTPException, request: Request) -> JSONResponse:
@@ -128,5 +137,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(f"Internal server error: {exc.__class__.__name__}", status=500,
-                              code="internal_error")
+        return error_response(f"Internal server error: {exc.__class__.__name__}", status=500, code="internal_error")

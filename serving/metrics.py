@@ -40,20 +40,25 @@ class ServingMetrics:
     def __init__(self, registry: Any):
         self.prom = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
-            "omnistage_http_requests", "HTTP requests answered, by route and status",
-            ["method", "route", "status"], registry=self.prom)
+            "omnistage_http_requests",
+            "HTTP requests answered, by route and status",
+            ["method", "route", "status"],
+            registry=self.prom,
+        )
         self.latency = Histogram(
-            "omnistage_http_request_duration_seconds", "Time to the end of the response body",
-            ["method", "route"], registry=self.prom,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-        self.inflight = Gauge("omnistage_http_inflight_requests",
-                              "HTTP requests doing work now (probes excluded)", registry=self.prom)
+            "omnistage_http_request_duration_seconds",
+            "Time to the end of the response body",
+            ["method", "route"],
+            registry=self.prom,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        )
+        self.inflight = Gauge(
+            "omnistage_http_inflight_requests", "HTTP requests doing work now (probes excluded)", registry=self.prom
+        )
         self.inflight.set_function(lambda: registry.inflight)
-        self.ready = Gauge("omnistage_ready", "1 when every stage of every pipeline is ready",
-                           registry=self.prom)
+        self.ready = Gauge("omnistage_ready", "1 when every stage of every pipeline is ready", registry=self.prom)
         self.ready.set_function(lambda: 1.0 if registry.ready else 0.0)
-        self.draining = Gauge("omnistage_draining", "1 while the server drains before exit",
-                              registry=self.prom)
+        self.draining = Gauge("omnistage_draining", "1 while the server drains before exit", registry=self.prom)
         self.draining.set_function(lambda: 1.0 if registry.draining else 0.0)
         self.prom.register(_LivePipelinesCollector(registry))
 

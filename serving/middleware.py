@@ -65,10 +65,19 @@ async def _reject_draining(kind: str, send) -> None:
         return
     import json
 
-    body = json.dumps(error_body("The server is shutting down; retry on another replica.",
-                                 status=503, code="draining")).encode()
-    await send({"type": "http.response.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", b"1"), (b"connection", b"close")]})
+    body = json.dumps(
+        error_body("The server is shutting down; retry on another replica.", status=503, code="draining")
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from omnistage.errors import OmnistageError
 from omnistage.serving.errors import ModelNotFoundError, ServiceUnavailableError
@@ -89,11 +90,12 @@ def overrides_per_config(configs: list[str | Path], overrides: Iterable[str]) ->
                 own.append(text)
             continue
         if scope not in stems:
-            raise ValueError(f"override {text!r} is scoped to {scope!r}, which is none of the "
-                             f"configs served ({', '.join(stems)})")
+            raise ValueError(
+                f"override {text!r} is scoped to {scope!r}, which is none of the configs served ({', '.join(stems)})"
+            )
         for stem, own in zip(stems, out):
             if stem == scope:
-                own.append(text[len(scope) + 1:])
+                own.append(text[len(scope) + 1 :])
     return out
 
 
@@ -110,8 +112,7 @@ class PipelineRegistry:
 
     # -- building ----------------------------------------------------------------------------
     @classmethod
-    def from_configs(cls, configs: Iterable[str | Path], overrides: Iterable[str] = (),
-                     **kwargs) -> "PipelineRegistry":
+    def from_configs(cls, configs: Iterable[str | Path], overrides: Iterable[str] = (), **kwargs) -> PipelineRegistry:
         """Parse and validate every config now (raises PipelineValidationError); load later."""
         from omnistage.graph.loader import load_pipeline
 
@@ -125,8 +126,9 @@ class PipelineRegistry:
     def add_spec(self, spec: Any, source: str = "") -> PipelineEntry:
         with self._lock:
             if spec.name in self._entries:
-                raise ValueError(f"two pipelines are named {spec.name!r} ({source} and "
-                                 f"{self._entries[spec.name].source})")
+                raise ValueError(
+                    f"two pipelines are named {spec.name!r} ({source} and {self._entries[spec.name].source})"
+                )
             entry = PipelineEntry(name=spec.name, spec=spec, source=source)
             self._entries[spec.name] = entry
             return entry
@@ -136,8 +138,13 @@ class PipelineRegistry:
         with self._lock:
             if pipeline.name in self._entries:
                 raise ValueError(f"a pipeline named {pipeline.name!r} is already registered")
-            entry = PipelineEntry(name=pipeline.name, spec=getattr(pipeline, "spec", None),
-                                  source="<object>", pipeline=pipeline, state=READY)
+            entry = PipelineEntry(
+                name=pipeline.name,
+                spec=getattr(pipeline, "spec", None),
+                source="<object>",
+                pipeline=pipeline,
+                state=READY,
+            )
             self._entries[pipeline.name] = entry
             return entry
 
@@ -172,8 +179,9 @@ class PipelineRegistry:
             if closing:  # close() ran while this one was being built: it is ours to close
                 _close_quietly(pipeline, 0.0)
                 return
-            waiter = threading.Thread(target=self._wait_ready, args=(entry, started),
-                                      name=f"omnistage-ready-{entry.name}", daemon=True)
+            waiter = threading.Thread(
+                target=self._wait_ready, args=(entry, started), name=f"omnistage-ready-{entry.name}", daemon=True
+            )
             waiter.start()
             waiters.append(waiter)
         for waiter in waiters:
@@ -216,8 +224,9 @@ class PipelineRegistry:
 
     def pipelines(self) -> dict[str, Any]:
         """name -> Pipeline for every constructed pipeline (loading ones included)."""
-        return {e.name: e.pipeline for e in self._entries.values()
-                if e.pipeline is not None and e.state in (LOADING, READY)}
+        return {
+            e.name: e.pipeline for e in self._entries.values() if e.pipeline is not None and e.state in (LOADING, READY)
+        }
 
     @property
     def ready(self) -> bool:
@@ -234,17 +243,14 @@ class PipelineRegistry:
     def get(self, name: str) -> Any:
         """The ready Pipeline called `name`, or the error the client should see."""
         if self.draining:
-            raise ServiceUnavailableError("The server is shutting down; retry on another replica.",
-                                          code="draining")
+            raise ServiceUnavailableError("The server is shutting down; retry on another replica.", code="draining")
         entry = self._entries.get(name)
         if entry is None:
             raise ModelNotFoundError(name, self.names())
         if entry.state == FAILED:
-            raise ServiceUnavailableError(f"The model {name!r} failed to load: {entry.error}",
-                                          code="model_failed")
+            raise ServiceUnavailableError(f"The model {name!r} failed to load: {entry.error}", code="model_failed")
         if not entry.is_ready():
-            raise ServiceUnavailableError(f"The model {name!r} is still loading.",
-                                          code="model_loading")
+            raise ServiceUnavailableError(f"The model {name!r} is still loading.", code="model_loading")
         return entry.pipeline
 
     # -- shutdown ----------------------------------------------------------------------------
@@ -256,12 +262,13 @@ class PipelineRegistry:
         self.draining = True
         with self._lock:
             self._closing.set()
-            entries = [e for e in self._entries.values()
-                       if e.pipeline is not None and e.state != CLOSED]
+            entries = [e for e in self._entries.values() if e.pipeline is not None and e.state != CLOSED]
             for e in entries:
                 e.state = CLOSED
-        threads = [threading.Thread(target=_close_quietly, args=(e.pipeline, drain_timeout),
-                                    name=f"close-{e.name}") for e in entries]
+        threads = [
+            threading.Thread(target=_close_quietly, args=(e.pipeline, drain_timeout), name=f"close-{e.name}")
+            for e in entries
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -16,8 +16,8 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import uvicorn
 
@@ -29,8 +29,7 @@ log = logging.getLogger("omnistage.serving")
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose exit signals drain the registry before stopping."""
 
-    def __init__(self, config: uvicorn.Config, app, registry: PipelineRegistry,
-                 drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, app, registry: PipelineRegistry, drain_timeout: float):
         super().__init__(config)
         self.app = app
         self.registry = registry
@@ -41,8 +40,12 @@ class DrainingServer(uvicorn.Server):
         # Unlike uvicorn's own handler this does not record the signal for re-raising at the
         # end, so a drained shutdown exits with status 0.
         if self.drain_deadline is None:
-            log.info("received %s: draining (up to %.0fs for %d in-flight requests)",
-                     signal.Signals(sig).name, self.drain_timeout, self.registry.inflight)
+            log.info(
+                "received %s: draining (up to %.0fs for %d in-flight requests)",
+                signal.Signals(sig).name,
+                self.drain_timeout,
+                self.registry.inflight,
+            )
             self.registry.begin_drain()
             self.drain_deadline = time.monotonic() + self.drain_timeout
         else:
@@ -67,20 +70,28 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(configs: Iterable[str | Path] = (), host: str = "127.0.0.1", port: int = 8000,
-          overrides: Iterable[str] = (), drain_timeout: float = 30.0, *,
-          log_level: str = "info", ready_timeout: float = 600.0) -> int:
+def serve(
+    configs: Iterable[str | Path] = (),
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    overrides: Iterable[str] = (),
+    drain_timeout: float = 30.0,
+    *,
+    log_level: str = "info",
+    ready_timeout: float = 600.0,
+) -> int:
     """Serve the pipelines in `configs` (default: every configs/tiny-*.yaml). Returns the exit
     status: 0 after a clean drain, 2 for invalid configs, 1 when the server could not start."""
     from omnistage.graph.loader import PipelineValidationError
     from omnistage.serving.app import create_app
 
-    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     paths = list(configs) or default_config_paths()
     if not paths:
-        print("omnistage serve: no pipeline configs given and no configs/tiny-*.yaml found",
-              file=sys.stderr)
+        print("omnistage serve: no pipeline configs given and no configs/tiny-*.yaml found", file=sys.stderr)
         return 2
     try:
         registry = PipelineRegistry.from_configs(paths, overrides, ready_timeout=ready_timeout)
@@ -94,8 +105,15 @@ def serve(configs: Iterable[str | Path] = (), host: str = "127.0.0.1", port: int
     log.info("serving %s on http://%s:%d", ", ".join(registry.names()), host, port)
 
     app = create_app(registry, drain_timeout=drain_timeout)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=max(1.0, drain_timeout), access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1.0, drain_timeout),
+        access_log=False,
+    )
     server = DrainingServer(config, app, registry, drain_timeout)
     try:
         server.run()

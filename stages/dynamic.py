@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator
+from typing import Any
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, StageContext, StageEngine, StageRequest, StepRecord
@@ -230,9 +231,7 @@ class DynamicBatchEngine(StageEngine):
         self.batches_total += 1
         self.requests_total += len(batch)
         self.batch_size_max = max(self.batch_size_max, len(batch))
-        self.step_log.append(
-            StepRecord(tuple(r.request_id for r in batch), len(batch), time.perf_counter() - t0)
-        )
+        self.step_log.append(StepRecord(tuple(r.request_id for r in batch), len(batch), time.perf_counter() - t0))
         emissions = []
         for request, result in zip(batch, results):
             rid = request.request_id

@@ -32,7 +32,8 @@ import importlib
 import time
 import types
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -92,7 +93,12 @@ class _CallableEngine(DynamicBatchEngine):
         s_in = list(params.get("streaming_inputs") or [])
         s_out = list(params.get("streaming_outputs") or [])
         ins = _port_map(params, "inputs", cls.default_inputs, s_in)
-        outs = _port_map(params, "outputs", params.get("inputs") if cls.kind == "noop" and params.get("inputs") else cls.default_outputs, s_out)
+        outs = _port_map(
+            params,
+            "outputs",
+            params.get("inputs") if cls.kind == "noop" and params.get("inputs") else cls.default_outputs,
+            s_out,
+        )
         return ins, outs
 
     def __init__(self, ctx: StageContext):
@@ -168,7 +174,9 @@ class _CallableEngine(DynamicBatchEngine):
                 if last:
                     self._chunked.pop(rid, None)
                     self._chunks = deque(c for c in self._chunks if c[0] != rid)
-            self.step_log.append(StepRecord(tuple(rids), len(set(rids)), time.perf_counter() - t0, {"chunks": len(rids)}))
+            self.step_log.append(
+                StepRecord(tuple(rids), len(set(rids)), time.perf_counter() - t0, {"chunks": len(rids)})
+            )
         return emissions + super().step()
 
     def stats(self) -> dict[str, float]:

@@ -64,10 +64,13 @@ def wav_stream_header(sample_rate: int, channels: int = 1) -> bytes:
     """
     block_align = 2 * channels
     return (
-        b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE"
-        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate,
-                                sample_rate * block_align, block_align, 16)
-        + b"data" + struct.pack("<I", 0xFFFFFFFF)
+        b"RIFF"
+        + struct.pack("<I", 0xFFFFFFFF)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block_align, block_align, 16)
+        + b"data"
+        + struct.pack("<I", 0xFFFFFFFF)
     )
 
 
@@ -83,8 +86,7 @@ AUDIO_FORMATS = ("wav", "pcm", *AUDIO_CODECS)
 AUDIO_MEDIA_TYPES.update({fmt: media for fmt, (_, _, media) in AUDIO_CODECS.items()})
 
 
-def encode_audio(audio: Any, sample_rate: int, fmt: str = "wav", *,
-                 bitrate: int | None = None) -> bytes:
+def encode_audio(audio: Any, sample_rate: int, fmt: str = "wav", *, bitrate: int | None = None) -> bytes:
     """Encode a whole clip as wav | pcm | mp3 | opus | aac | flac.
 
     wav/pcm are PCM16 (see module doc); flac is lossless PCM16; mp3/opus/aac are lossy, at
@@ -121,8 +123,7 @@ def encode_audio(audio: Any, sample_rate: int, fmt: str = "wav", *,
         sample_fmt = codec.audio_formats[0].name
         resampler = av.AudioResampler(format=sample_fmt, layout=layout, rate=out_rate)
         # packed s16 wants one row of interleaved samples: (samples, channels) flattened
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.reshape(1, -1)), format="s16",
-                                           layout=layout)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.reshape(1, -1)), format="s16", layout=layout)
         frame.sample_rate = int(sample_rate)
         for chunk in (*resampler.resample(frame), *resampler.resample(None)):
             container.mux(stream.encode(chunk))

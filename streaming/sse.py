@@ -11,8 +11,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sse_event(data: Any, *, event: str | None = None, id: str | None = None,
-              retry_ms: int | None = None) -> bytes:
+def sse_event(data: Any, *, event: str | None = None, id: str | None = None, retry_ms: int | None = None) -> bytes:
     """One event. `data` that is not str/bytes is sent as compact JSON; multi-line data
     becomes several `data:` lines (the client joins them with newlines)."""
     if isinstance(data, bytes):
@@ -37,7 +36,7 @@ def sse_event(data: Any, *, event: str | None = None, id: str | None = None,
 
 def sse_comment(text: str = "") -> bytes:
     """A comment line (ignored by clients): a keep-alive ping."""
-    return f": {text}\n\n".encode("utf-8")
+    return f": {text}\n\n".encode()
 
 
 def _check_field(name: str, value: str) -> None:

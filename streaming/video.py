@@ -14,8 +14,9 @@ Concatenating everything returned is a playable MP4 (browsers' MSE, ffmpeg, PyAV
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +37,7 @@ def to_video_frames(frames: Any, *, odd_size: str = "pad") -> np.ndarray:
     _, h, w, _ = arr.shape
     if h % 2 or w % 2:
         if odd_size == "error":
-            raise ValueError(
-                f"H.264 yuv420p needs even frame sizes; got {w}x{h} (use odd_size='pad' to pad)"
-            )
+            raise ValueError(f"H.264 yuv420p needs even frame sizes; got {w}x{h} (use odd_size='pad' to pad)")
         if odd_size != "pad":
             raise ValueError(f"odd_size must be 'pad' or 'error', not {odd_size!r}")
         arr = np.pad(arr, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
@@ -74,8 +73,7 @@ class FragmentedMP4Muxer:
     Also usable as a context manager. Not thread-safe: one producer per muxer.
     """
 
-    def __init__(self, fps: float = 16.0, *, crf: int = 18, preset: str = "veryfast",
-                 odd_size: str = "pad"):
+    def __init__(self, fps: float = 16.0, *, crf: int = 18, preset: str = "veryfast", odd_size: str = "pad"):
         if fps <= 0:
             raise ValueError("fps must be positive")
         self.fps = Fraction(fps).limit_denominator(1001)
@@ -93,7 +91,9 @@ class FragmentedMP4Muxer:
         import av
 
         self._container = av.open(
-            self._sink, mode="w", format="mp4",
+            self._sink,
+            mode="w",
+            format="mp4",
             options={"movflags": "frag_keyframe+empty_moov+default_base_moof"},
         )
         stream = self._container.add_stream("libx264", rate=self.fps)
@@ -103,8 +103,7 @@ class FragmentedMP4Muxer:
         # zerolatency: no lookahead / B-frames, so each frame's packet leaves the encoder at
         # once; forced-idr: the keyframe forced at each chunk start is a real IDR (a fragment
         # boundary for frag_keyframe).
-        stream.options = {"crf": str(self.crf), "preset": self.preset, "tune": "zerolatency",
-                          "forced-idr": "1"}
+        stream.options = {"crf": str(self.crf), "preset": self.preset, "tune": "zerolatency", "forced-idr": "1"}
         self._stream = stream
         self._size = (height, width)
 
@@ -140,7 +139,7 @@ class FragmentedMP4Muxer:
         self._container.close()
         return self._sink.take()
 
-    def __enter__(self) -> "FragmentedMP4Muxer":
+    def __enter__(self) -> FragmentedMP4Muxer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -152,8 +151,9 @@ class FragmentedMP4Muxer:
                     raise
 
 
-def encode_mp4(frames: Any, fps: float = 16.0, *, crf: int = 18, preset: str = "veryfast",
-               odd_size: str = "pad") -> bytes:
+def encode_mp4(
+    frames: Any, fps: float = 16.0, *, crf: int = 18, preset: str = "veryfast", odd_size: str = "pad"
+) -> bytes:
     """A whole (T, H, W, 3) clip as one MP4 file (H.264, yuv420p, fast-start friendly fMP4)."""
     muxer = FragmentedMP4Muxer(fps, crf=crf, preset=preset, odd_size=odd_size)
     return muxer.push(frames) + muxer.close()

@@ -10,8 +10,13 @@ router = APIRouter(tags=["models"])
 
 
 def _model_card(entry) -> dict:
-    return {"id": entry.name, "object": "model", "created": entry.created,
-            "owned_by": "omnistage", "ready": entry.is_ready()}
+    return {
+        "id": entry.name,
+        "object": "model",
+        "created": entry.created,
+        "owned_by": "omnistage",
+        "ready": entry.is_ready(),
+    }
 
 
 @router.get("/v1/models")

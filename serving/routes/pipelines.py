@@ -51,15 +51,17 @@ def _to_inputs(spec: Any, inputs: dict[str, Any]) -> dict[str, Any]:
         try:
             out[port] = torch.tensor(value, dtype=dtype)
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidRequestError(f"input {port!r} ({port_type}) is not a numeric array: "
-                                      f"{exc}", param=f"inputs.{port}") from exc
+            raise InvalidRequestError(
+                f"input {port!r} ({port_type}) is not a numeric array: {exc}", param=f"inputs.{port}"
+            ) from exc
     unknown = set(inputs) - set(spec.inputs)
     if unknown:
-        raise InvalidRequestError(f"unknown input port(s): {', '.join(sorted(unknown))} "
-                                  f"(pipeline inputs: {', '.join(spec.inputs)})", param="inputs")
+        raise InvalidRequestError(
+            f"unknown input port(s): {', '.join(sorted(unknown))} (pipeline inputs: {', '.join(spec.inputs)})",
+            param="inputs",
+        )
     if not out:
-        raise InvalidRequestError(f"no inputs given (pipeline inputs: {', '.join(spec.inputs)})",
-                                  param="inputs")
+        raise InvalidRequestError(f"no inputs given (pipeline inputs: {', '.join(spec.inputs)})", param="inputs")
     return out
 
 
@@ -86,23 +88,42 @@ async def run_pipeline(name: str, body: RunRequest, request: Request):
     inputs = _to_inputs(pipeline.spec, body.inputs)
     request_id = f"run-{uuid.uuid4().hex[:16]}"
     if not body.stream:
-        outputs = await unless_disconnected(request, pipeline.generate(
-            inputs, body.params, request_id=request_id, deadline_s=body.timeout))
-        return {"id": request_id, "object": "pipeline.run", "model": name,
-                "outputs": {port: to_jsonable(v) for port, v in outputs.items()}}
+        outputs = await unless_disconnected(
+            request, pipeline.generate(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
+        )
+        return {
+            "id": request_id,
+            "object": "pipeline.run",
+            "model": name,
+            "outputs": {port: to_jsonable(v) for port, v in outputs.items()},
+        }
 
     stream = pipeline.stream(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
 
     async def events():
         try:
             async for chunk in stream:
-                yield sse_event({"id": request_id, "port": chunk.port, "stage": chunk.stage,
-                                 "final": chunk.final, "progress": chunk.progress,
-                                 "data": to_jsonable(chunk.data)})
+                yield sse_event(
+                    {
+                        "id": request_id,
+                        "port": chunk.port,
+                        "stage": chunk.stage,
+                        "final": chunk.final,
+                        "progress": chunk.progress,
+                        "data": to_jsonable(chunk.data),
+                    }
+                )
         except OmnistageError as err:  # headers are gone: report the error in-band
-            yield sse_event({"error": {"message": str(err), "type": "server_error"
-                                       if err.status >= 500 else "invalid_request_error",
-                                       "param": getattr(err, "param", None), "code": err.code}})
+            yield sse_event(
+                {
+                    "error": {
+                        "message": str(err),
+                        "type": "server_error" if err.status >= 500 else "invalid_request_error",
+                        "param": getattr(err, "param", None),
+                        "code": err.code,
+                    }
+                }
+            )
         finally:
             await stream.aclose()
         yield SSE_DONE

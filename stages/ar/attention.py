@@ -102,8 +102,19 @@ class AttentionMetadata:
 class DecodeBuffer:
     """Contiguous per-row K/V copy of the decoding sequences, kept across steps."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, device,
-                 max_bytes: int, max_len: int, headroom: int = 128, max_dead_fraction: float = 0.25):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype,
+        device,
+        max_bytes: int,
+        max_len: int,
+        headroom: int = 128,
+        max_dead_fraction: float = 0.25,
+    ):
         self.num_layers, self.kvh, self.d, self.block_size = num_layers, num_kv_heads, head_dim, block_size
         self.dtype, self.device = dtype, device
         self.elt = torch.empty((), dtype=dtype).element_size()
@@ -134,11 +145,14 @@ class DecodeBuffer:
         self.reset()
         return True
 
-    def plan(self, keys: list[int], lens: list[int], tables: list[list[int]], max_padding_ratio: float) -> BufferPlan | None:
+    def plan(
+        self, keys: list[int], lens: list[int], tables: list[list[int]], max_padding_ratio: float
+    ) -> BufferPlan | None:
         """keys: a never-reused id per decoding sequence; lens: context length incl. the new token.
         Returns None when the buffer would not fit its memory cap (the caller gathers instead)."""
         reuse = bool(self.row_len) and all(
-            k in self.row_of and self.row_len[self.row_of[k]] == n - 1 and n <= self.capacity_len for k, n in zip(keys, lens)
+            k in self.row_of and self.row_len[self.row_of[k]] == n - 1 and n <= self.capacity_len
+            for k, n in zip(keys, lens)
         )
         if reuse and len(self.row_len) - len(keys) > self.max_dead_fraction * len(self.row_len):
             reuse = False
@@ -172,7 +186,9 @@ class DecodeBuffer:
                 shape = (2, self.kvh, rows_cap, len_cap, self.d)
                 # Zeros, not empty: masked positions still enter SDPA's P @ V (0 * NaN = NaN), so
                 # every slot must always hold a finite value.
-                self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+                self.buffers = [
+                    torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+                ]
             self.capacity_len = len_cap
             nb = -(-max(lens) // bs)
             table = torch.zeros(len(keys), nb, dtype=torch.long)
@@ -217,7 +233,9 @@ def build_metadata(
     (default: all).
     """
     meta = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device), num_tokens=int(slot_mapping.numel()), num_decodes=len(decode_lens),
+        slot_mapping=slot_mapping.to(device),
+        num_tokens=int(slot_mapping.numel()),
+        num_decodes=len(decode_lens),
         block_size=block_size,
     )
     if decode_lens and decode_buffer is not None:
@@ -247,7 +265,9 @@ def build_metadata(
             q_pos = torch.arange(ctx, total).unsqueeze(1)
             k_pos = torch.arange(nb * block_size).unsqueeze(0)
             ids = torch.tensor(bt[:nb], dtype=torch.long, device=device)
-            mask = torch.zeros(n, nb * block_size, dtype=dtype).masked_fill_(k_pos > q_pos, float("-inf"))  # additive: faster SDPA
+            mask = torch.zeros(n, nb * block_size, dtype=dtype).masked_fill_(
+                k_pos > q_pos, float("-inf")
+            )  # additive: faster SDPA
             chunk = PrefillChunk(start, n, ctx, ids, mask.to(device))
         else:
             chunk = PrefillChunk(start, n, 0, None, None)
@@ -337,8 +357,12 @@ def paged_attention(
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
         if p.context_len == 0:
             o = F.scaled_dot_product_attention(
-                qp, k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=scale, enable_gqa=True,
+                qp,
+                k[rows].transpose(0, 1).unsqueeze(0),
+                v[rows].transpose(0, 1).unsqueeze(0),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
             )
         else:
             kv = torch.index_select(by_block, 1, p.block_ids).view(2, 1, kvh, -1, d)

@@ -69,7 +69,9 @@ class SamplingParams:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
@@ -80,7 +82,7 @@ class SamplingParams:
             raise bad("logprobs", f"must be an integer in [0, 20] or null, got {self.logprobs!r}")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         d = dict(d or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
@@ -171,7 +173,7 @@ class ModelConfig:
             self.embedding_size = self.hidden_size
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], tie_default: bool | None = None) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], tie_default: bool | None = None) -> ModelConfig:
         model_type = cfg.get("model_type", "qwen2")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -240,8 +242,10 @@ def load_model_config(model_path: str, hf_config_key: str | None = None, weight_
         key, sub = "text_config", raw["text_config"]
     # Whether the LM head is tied is decided by the config of the model that owns the head:
     # for a nested text_config (a thinker's), that is its parent, as in transformers.
-    owner = _dig(raw, key.rsplit(".", 1)[0]) if key and key.endswith("text_config") and "." in key else (
-        raw if key == "text_config" else sub
+    owner = (
+        _dig(raw, key.rsplit(".", 1)[0])
+        if key and key.endswith("text_config") and "." in key
+        else (raw if key == "text_config" else sub)
     )
     tie = owner.get("tie_word_embeddings", sub.get("tie_word_embeddings"))
     cfg = ModelConfig.from_hf_dict({**sub, "tie_word_embeddings": tie})

@@ -61,8 +61,13 @@ class Workspace:
         return buf, buf[:numel].view(shape)
 
 
-def matmul_slabs(x: torch.Tensor, weight_t: torch.Tensor, slabs: int, bias: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_slabs(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    slabs: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[slabs, rows, out / slabs]: slab j holds output columns [j*w, (j+1)*w)."""
     w = slab_view(weight_t, slabs)
     xs = x.unsqueeze(0).expand(slabs, -1, -1)
@@ -71,8 +76,9 @@ def matmul_slabs(x: torch.Tensor, weight_t: torch.Tensor, slabs: int, bias: torc
     return torch.baddbmm(bias.view(slabs, 1, -1), xs, w, out=out)
 
 
-def matmul(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None,
-           workspace: Workspace | None = None) -> torch.Tensor:
+def matmul(
+    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None, workspace: Workspace | None = None
+) -> torch.Tensor:
     """x [rows, in] @ weight_t [in, out] (+ bias) -> [rows, out]. With a workspace the result
     is a view into it, valid until the next call with the same workspace."""
     slabs = slabs_for(x, weight_t)

@@ -1,15 +1,14 @@
 """LLMEngine: requests in, one batched forward per step, tokens (and hidden states) out.
 
-    engine = LLMEngine(EngineConfig(model_path=...))
-    engine.add_request("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
-    while engine.has_unfinished_requests():
-        for out in engine.step(): ...
+engine = LLMEngine(EngineConfig(model_path=...))
+engine.add_request("r1", [1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
+while engine.has_unfinished_requests():
+    for out in engine.step(): ...
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
 
@@ -31,7 +30,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.model_config = load_model_config(config.model_path, config.hf_config_key, config.weight_prefix)
         mc = self.model_config
-        self.model = load_model(mc, config.model_path, config.dtype, self.device, config.weight_prefix, config.show_progress)
+        self.model = load_model(
+            mc, config.model_path, config.dtype, self.device, config.weight_prefix, config.show_progress
+        )
         self.num_layers = mc.num_layers
         self.capture_layers = tuple(sorted({i % (mc.num_layers + 1) for i in config.hidden_state_layers}))
         for i in config.hidden_state_layers:
@@ -56,8 +57,14 @@ class LLMEngine:
         self.decode_buffer = None
         if config.decode_buffer_bytes > 0:
             self.decode_buffer = DecodeBuffer(
-                mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, config.dtype, self.device,
-                max_bytes=config.decode_buffer_bytes, max_len=self.max_model_len,
+                mc.num_layers,
+                mc.num_kv_heads,
+                mc.head_dim,
+                bs,
+                config.dtype,
+                self.device,
+                max_bytes=config.decode_buffer_bytes,
+                max_len=self.max_model_len,
             )
             self.decode_buffer.reserve(config.max_num_seqs, self.max_model_len)
         self._seq_ids = itertools.count()
@@ -133,7 +140,9 @@ class LLMEngine:
             if pos.dim() == 3 and pos.shape[1] == 1:
                 pos = pos[:, 0]
             if pos.shape != (3, num_prompt):
-                raise InvalidRequestError(f"position_ids must be (3, {num_prompt}), got {tuple(position_ids.shape)}", param="position_ids")
+                raise InvalidRequestError(
+                    f"position_ids must be (3, {num_prompt}), got {tuple(position_ids.shape)}", param="position_ids"
+                )
             mrope, delta = pos, int(pos.max()) + 1 - num_prompt
         extra = self._check_decode_embeds(decode_embeds)
         arrival = next(self._arrival)
@@ -175,7 +184,9 @@ class LLMEngine:
             rows = rows[0]
         e = self.model_config.embedding_size
         if rows.dim() != 2 or rows.shape[1] != e or rows.shape[0] < 1:
-            raise InvalidRequestError(f"decode_embeds must be [rows, {e}], got {tuple(rows.shape)}", param="decode_embeds")
+            raise InvalidRequestError(
+                f"decode_embeds must be [rows, {e}], got {tuple(rows.shape)}", param="decode_embeds"
+            )
         return rows.to(device=self.device, dtype=self.config.dtype)
 
     def extend_decode_embeds(self, request_id: str, rows: torch.Tensor) -> None:
@@ -291,8 +302,16 @@ class LLMEngine:
         positions = torch.cat(pos_parts, dim=-1).to(dev)
         needs_output = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in prefills]
         meta = build_metadata(
-            dec_keys, dec_tables, dec_lens, prefill_specs, torch.cat(slot_parts), bs, dev, self.decode_buffer,
-            prefill_needs_output=needs_output, dtype=self.config.dtype,
+            dec_keys,
+            dec_tables,
+            dec_lens,
+            prefill_specs,
+            torch.cat(slot_parts),
+            bs,
+            dev,
+            self.decode_buffer,
+            prefill_needs_output=needs_output,
+            dtype=self.config.dtype,
         )
         outputs_only = self.num_layers not in self.capture_layers
         embeds = torch.cat(embed_vals) if embed_vals else None
@@ -300,8 +319,16 @@ class LLMEngine:
         extra = torch.cat(extra_vals) if extra_vals else None
         extra_rows_t = torch.cat(extra_rows).to(dev) if extra_rows else None
         hidden, captured = self.model(
-            ids_t, positions, self.kv_cache.layers, meta, embeds, rows_t, self.capture_layers, outputs_only,
-            extra, extra_rows_t,
+            ids_t,
+            positions,
+            self.kv_cache.layers,
+            meta,
+            embeds,
+            rows_t,
+            self.capture_layers,
+            outputs_only,
+            extra,
+            extra_rows_t,
         )
         # Row of `hidden` holding flat batch row r.
         hidden_row = {r: i for i, r in enumerate(meta.out_rows.tolist())} if outputs_only else None

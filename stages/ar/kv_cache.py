@@ -168,7 +168,9 @@ class BlockManager:
 class KVCache:
     """The pool's tensors: one [2, kv_heads, num_blocks * block_size, head_dim] tensor per layer."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
+    def __init__(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device
+    ):
         self.block_size = block_size
         self.layers = [
             torch.zeros(2, num_kv_heads, num_blocks * block_size, head_dim, dtype=dtype, device=device)

@@ -56,7 +56,9 @@ def load_model(
                     if not key.startswith(weight_prefix):
                         continue
                     name = key[len(weight_prefix) :]
-                    owned = ("model.", cfg.lm_head_name + ".") + ((cfg.input_projection + ".",) if cfg.input_projection else ())
+                    owned = ("model.", cfg.lm_head_name + ".") + (
+                        (cfg.input_projection + ".",) if cfg.input_projection else ()
+                    )
                     if not name.startswith(owned):
                         continue
                     t = f.get_tensor(key)
@@ -65,7 +67,9 @@ def load_model(
                     bar.update(t.numel() * t.element_size())
     missing = expected - loaded
     if missing:
-        raise ValueError(f"checkpoint {model_path} (prefix {weight_prefix!r}) lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        raise ValueError(
+            f"checkpoint {model_path} (prefix {weight_prefix!r}) lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}"
+        )
     model.eval()
     model.finalize()
     return model

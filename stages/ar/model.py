@@ -172,8 +172,16 @@ class Attention(_Module):
         self.scale = cfg.head_dim**-0.5
         self.fused: ModuleType | None = None  # kernels.cpu_fused, set by DecoderModel.finalize()
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, out_rows: torch.Tensor | None = None,
-                sin_signed: torch.Tensor | None = None):
+    def forward(
+        self,
+        x,
+        cos,
+        sin,
+        kv_cache,
+        meta: AttentionMetadata,
+        out_rows: torch.Tensor | None = None,
+        sin_signed: torch.Tensor | None = None,
+    ):
         """out_rows: compute queries (and return outputs) for these rows only; K/V for all rows."""
         n = x.shape[0]
         if out_rows is None and sin_signed is not None and (self.q_norm is None or self.fused is not None):
@@ -183,7 +191,9 @@ class Attention(_Module):
             h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
             qk = qkv[:, : self.q_size + self.kv_size].view(n, h + kvh, d)
             if self.q_norm is not None:
-                self.fused.qk_norm_rope_(qk, h, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin_signed)
+                self.fused.qk_norm_rope_(
+                    qk, h, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin_signed
+                )
             elif self.fused is not None:
                 self.fused.rope_(qk, cos, sin_signed)
             else:
@@ -197,7 +207,9 @@ class Attention(_Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         else:
             q = self.qkv_proj.forward_cols(x[out_rows], 0, self.q_size)
-            k, v = self.qkv_proj.forward_cols(x, self.q_size, self.q_size + 2 * self.kv_size).split(self.kv_size, dim=-1)
+            k, v = self.qkv_proj.forward_cols(x, self.q_size, self.q_size + 2 * self.kv_size).split(
+                self.kv_size, dim=-1
+            )
             cos_q, sin_q = cos[out_rows], sin[out_rows]
         nq = q.shape[0]
         q = q.reshape(nq, self.num_heads, self.head_dim)
@@ -235,8 +247,9 @@ class DecoderLayer(_Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, out_rows: torch.Tensor | None = None,
-                sin_signed: torch.Tensor | None = None):
+    def forward(
+        self, x, cos, sin, kv_cache, meta, out_rows: torch.Tensor | None = None, sin_signed: torch.Tensor | None = None
+    ):
         """out_rows: only these rows leave the layer (the rest only write their K/V)."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, out_rows, sin_signed)
         # Residual adds in place into the fresh projection outputs (a + b == b + a bit for bit);

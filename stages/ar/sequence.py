@@ -70,8 +70,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     # n > 1: siblings wait until the parent's prompt is computed, then fork its blocks.
-    fork_parent: "Sequence | None" = None
-    fork_children: list["Sequence"] = field(default_factory=list)
+    fork_parent: Sequence | None = None
+    fork_children: list[Sequence] = field(default_factory=list)
     output_counts: dict[int, int] = field(default_factory=dict)
 
     @property

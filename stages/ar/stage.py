@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.ar.text import OutputText, TextTokenizer, normalize_stop
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.registry import register_stage
-from omnistage.stages.ar.text import OutputText, TextTokenizer, normalize_stop
 
 # Per-request params that are not sampling params.
 REQUEST_KEYS = ("stop", "cache_salt", "priority", "skip_special_tokens")
@@ -105,8 +105,7 @@ class ARLMStage(StageEngine):
             if value is None and key not in ("block_size", "enable_prefix_caching"):
                 continue
             if not isinstance(value, types) or (bool in types) != isinstance(value, bool):
-                problems.append(f"ar_lm param {key!r} must be {'/'.join(t.__name__ for t in types)}, "
-                                f"got {value!r}")
+                problems.append(f"ar_lm param {key!r} must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
                 continue
             if key in ("block_size", "num_kv_blocks", "max_model_len") and value < 1:
                 problems.append(f"ar_lm param {key!r} must be >= 1, got {value}")
@@ -116,9 +115,7 @@ class ARLMStage(StageEngine):
                         raise ValueError
                 except ValueError:
                     problems.append(f"ar_lm param 'kv_cache_bytes' is not a size: {value!r}")
-            if key == "hidden_state_layers" and not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in value
-            ):
+            if key == "hidden_state_layers" and not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
                 problems.append("ar_lm param 'hidden_state_layers' must be a list of integers")
         return problems
 
@@ -156,8 +153,7 @@ class ARLMStage(StageEngine):
             weight_prefix=params.get("weight_prefix") or ctx.model_prefix or "",
         )
         self.engine = LLMEngine(config)
-        self.tokenizer = TextTokenizer.from_pretrained(model_dir) \
-            if TextTokenizer.available(model_dir) else None
+        self.tokenizer = TextTokenizer.from_pretrained(model_dir) if TextTokenizer.available(model_dir) else None
         self._sampling_keys = _sampling_keys()
         self._live: dict[str, _Live] = {}
         self._pending: list[Emission] = []  # rejected requests, reported on the next step
@@ -168,8 +164,9 @@ class ARLMStage(StageEngine):
             self._admit(request)
         except InvalidRequestError as err:
             self._live.pop(request.request_id, None)
-            self._pending.append(Emission(request.request_id, finished=True, error=str(err),
-                                          error_kind="invalid_request"))
+            self._pending.append(
+                Emission(request.request_id, finished=True, error=str(err), error_kind="invalid_request")
+            )
 
     def abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:
@@ -198,13 +195,15 @@ class ARLMStage(StageEngine):
             emission = self._emission(live, outs)
             if emission is not None:
                 emissions.append(emission)
-        self.step_log.append(StepRecord(tuple(by_request), len(by_request),
-                                        time.perf_counter() - t0))
+        self.step_log.append(StepRecord(tuple(by_request), len(by_request), time.perf_counter() - t0))
         return emissions
 
     def stats(self) -> dict[str, float]:
-        stats = {k: float(v) for k, v in self.engine.stats().items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        stats = {
+            k: float(v)
+            for k, v in self.engine.stats().items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         stats.setdefault("kv_blocks_free", float(self.engine.num_free_blocks))
         stats.setdefault("kv_blocks_total", float(self.engine.num_total_blocks))
         stats["requests_live"] = float(len(self._live))
@@ -223,8 +222,7 @@ class ARLMStage(StageEngine):
         params = dict(request.params or {})
         unknown = sorted(set(params) - self._sampling_keys - set(REQUEST_KEYS))
         if unknown:
-            raise InvalidRequestError(f"unknown parameter(s) for ar_lm: {', '.join(unknown)}",
-                                      param=unknown[0])
+            raise InvalidRequestError(f"unknown parameter(s) for ar_lm: {', '.join(unknown)}", param=unknown[0])
         stops = normalize_stop(params.pop("stop", None))
         cache_salt = params.pop("cache_salt", None)
         priority = params.pop("priority", 0)
@@ -234,32 +232,36 @@ class ARLMStage(StageEngine):
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise InvalidRequestError("priority must be an integer", param="priority")
         if not isinstance(skip_special, bool):
-            raise InvalidRequestError("skip_special_tokens must be a boolean",
-                                      param="skip_special_tokens")
+            raise InvalidRequestError("skip_special_tokens must be a boolean", param="skip_special_tokens")
         sampling = SamplingParams.from_dict(params)
         if stops and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none",
-                                      param="stop")
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
 
         prompt_ids, embeds, positions = self._prompt(request.inputs)
         self._live[request.request_id] = _Live(
             request_id=request.request_id,
             n=sampling.n,
             texts=[OutputText(self.tokenizer, stops, skip_special) for _ in range(sampling.n)]
-            if self.tokenizer is not None else None,
+            if self.tokenizer is not None
+            else None,
             logprobs_wanted=sampling.logprobs is not None,
             tokens=[[] for _ in range(sampling.n)],
             logprobs=[[] for _ in range(sampling.n)],
             finish_reasons=[None] * sampling.n,
             engine_finished=[False] * sampling.n,
         )
-        self.engine.add_request(request.request_id, prompt_ids, sampling,
-                                inputs_embeds=embeds, position_ids=positions,
-                                priority=priority, cache_salt=cache_salt)
+        self.engine.add_request(
+            request.request_id,
+            prompt_ids,
+            sampling,
+            inputs_embeds=embeds,
+            position_ids=positions,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
 
     def _prompt(self, inputs: dict[str, Any]):
-        given = [k for k in ("prompt", "messages", "tokens", "embeddings")
-                 if inputs.get(k) is not None]
+        given = [k for k in ("prompt", "messages", "tokens", "embeddings") if inputs.get(k) is not None]
         text_inputs = [k for k in given if k in ("prompt", "messages")]
         if not given:
             raise InvalidRequestError("ar_lm needs one of prompt, messages, tokens or embeddings")
@@ -283,7 +285,8 @@ class ARLMStage(StageEngine):
                     ids = [0] * embeds.shape[0]  # placeholders; the model reads the embeddings
                 elif len(ids) != embeds.shape[0]:
                     raise InvalidRequestError(
-                        f"tokens ({len(ids)}) and embeddings ({embeds.shape[0]}) differ in length")
+                        f"tokens ({len(ids)}) and embeddings ({embeds.shape[0]}) differ in length"
+                    )
         if inputs.get("position_ids") is not None:
             positions = torch.as_tensor(inputs["position_ids"], dtype=torch.long)
         if not ids:
@@ -374,11 +377,13 @@ def _logprob_entries(new_ids: list[int], new_logprobs: list[dict[int, float]]) -
     entries = []
     for token, table in zip(new_ids, new_logprobs):
         top = sorted(table.items(), key=lambda kv: -kv[1])
-        entries.append({
-            "token": int(token),
-            "logprob": float(table.get(token, float("nan"))),
-            "top_logprobs": [{"token": int(t), "logprob": float(lp)} for t, lp in top],
-        })
+        entries.append(
+            {
+                "token": int(token),
+                "logprob": float(table.get(token, float("nan"))),
+                "top_logprobs": [{"token": int(t), "logprob": float(lp)} for t, lp in top],
+            }
+        )
     return entries
 
 
@@ -387,8 +392,7 @@ def _as_token_list(value: Any) -> list[int]:
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
         if value.dim() != 1 or value.is_floating_point():
-            raise InvalidRequestError("tokens must be a 1-D integer tensor or a list of ints",
-                                      param="tokens")
+            raise InvalidRequestError("tokens must be a 1-D integer tensor or a list of ints", param="tokens")
         return [int(t) for t in value.tolist()]
     if isinstance(value, (list, tuple)) and (
         set(map(type, value)) <= {int}  # the common case, checked in C: ~10x faster than the walk below
@@ -403,8 +407,7 @@ def _as_embeddings(value: Any) -> torch.Tensor:
     if t.dim() == 3 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 2 or not t.is_floating_point():
-        raise InvalidRequestError("embeddings must be a float tensor [tokens, hidden]",
-                                  param="embeddings")
+        raise InvalidRequestError("embeddings must be a float tensor [tokens, hidden]", param="embeddings")
     return t
 
 

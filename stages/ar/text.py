@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from omnistage.errors import InvalidRequestError
 
@@ -41,8 +42,7 @@ def _token_content(value: Any) -> str | None:
 class TextTokenizer:
     """Tokenizer, special tokens and chat template of one checkpoint directory."""
 
-    def __init__(self, tokenizer, config: dict[str, Any], chat_template: str | None,
-                 eos_token_ids: list[int]):
+    def __init__(self, tokenizer, config: dict[str, Any], chat_template: str | None, eos_token_ids: list[int]):
         self._tok = tokenizer
         self.config = config
         self.chat_template = chat_template
@@ -53,7 +53,7 @@ class TextTokenizer:
         self._template = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "TextTokenizer":
+    def from_pretrained(cls, model_dir: str | Path) -> TextTokenizer:
         from tokenizers import Tokenizer
 
         model_dir = Path(model_dir)
@@ -87,21 +87,22 @@ class TextTokenizer:
         return self._tok.token_to_id(token)
 
     # -- chat -------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **extra: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         if not self.chat_template:
-            raise InvalidRequestError("this model has no chat template; send a prompt instead",
-                                      param="messages")
+            raise InvalidRequestError("this model has no chat template; send a prompt instead", param="messages")
         messages = validate_messages(messages)
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         special = {
-            key: _token_content(self.config.get(key))
-            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            key: _token_content(self.config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
         return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            **{k: v for k, v in special.items() if v is not None}, **extra,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **{k: v for k, v in special.items() if v is not None},
+            **extra,
         )
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
@@ -129,11 +130,9 @@ def _compile_template(source: str):
         raise TemplateError(message)
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -143,8 +142,7 @@ def _compile_template(source: str):
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check chat messages; text-only content part lists are joined into a string."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("messages must be a non-empty list of {role, content}",
-                                  param="messages")
+        raise InvalidRequestError("messages must be a non-empty list of {role, content}", param="messages")
     out = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
@@ -157,8 +155,8 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                     parts.append(str(part.get("text", "")))
                 else:
                     raise InvalidRequestError(
-                        f"messages[{i}]: only text content parts are accepted here",
-                        param="messages")
+                        f"messages[{i}]: only text content parts are accepted here", param="messages"
+                    )
             content = "".join(parts)
         elif content is None:
             content = ""
@@ -190,8 +188,8 @@ class IncrementalDetokenizer:
     def _window(self) -> tuple[str, str]:
         decode = self.tokenizer.decode
         ids = self.token_ids
-        prefix = decode(ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix = decode(ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(ids[self.prefix_offset :], self.skip_special_tokens)
         return prefix, full
 
     def push(self, new_ids: Iterable[int]) -> str:
@@ -200,7 +198,7 @@ class IncrementalDetokenizer:
             return ""
         prefix, full = self._window()
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
             self.text += delta
@@ -211,7 +209,7 @@ class IncrementalDetokenizer:
         if len(self.token_ids) == self.read_offset:
             return ""
         prefix, full = self._window()
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
@@ -253,8 +251,8 @@ class StopStringMatcher:
                 if text.endswith(stop[:k]):
                     hold = k
                     break
-        self.held = text[len(text) - hold:] if hold else ""
-        return text[:len(text) - hold], False
+        self.held = text[len(text) - hold :] if hold else ""
+        return text[: len(text) - hold], False
 
     def flush(self) -> str:
         held, self.held = self.held, ""
@@ -270,8 +268,7 @@ class TextDelta:
 class OutputText:
     """Detokenizer plus stop strings for one generated sequence."""
 
-    def __init__(self, tokenizer: TextTokenizer, stops: Sequence[str] = (),
-                 skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: TextTokenizer, stops: Sequence[str] = (), skip_special_tokens: bool = True):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.matcher = StopStringMatcher(stops)
         self.text = ""  # released text (stop strings cut)

@@ -23,8 +23,9 @@ Within a bucket, requests join the forward in arrival order under the per-step b
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -284,8 +285,9 @@ class StepEngine:
             if rid in failed:
                 exc = failed[rid]
                 kind = "invalid_request" if isinstance(exc, InvalidRequestError) else "internal"
-                events.append(StepEvent(rid, (s.step_index, s.total_steps), True, None,
-                                        f"{type(exc).__name__}: {exc}", kind))
+                events.append(
+                    StepEvent(rid, (s.step_index, s.total_steps), True, None, f"{type(exc).__name__}: {exc}", kind)
+                )
                 self._remove(rid)
                 continue
             progress = (s.step_index, s.total_steps)

@@ -124,7 +124,9 @@ def tiled_decode(vae, z: torch.Tensor, tile_latent: int, overlap: float = 0.25) 
     keep = tile_sample - extent  # each tile contributes its top-left keep x keep pixels
     if stride < 1:
         raise ValueError(f"tile of {tile_latent} latents with overlap {overlap} has no stride")
-    use_pqc = bool(getattr(vae.config, "use_post_quant_conv", True)) and getattr(vae, "post_quant_conv", None) is not None
+    use_pqc = (
+        bool(getattr(vae.config, "use_post_quant_conv", True)) and getattr(vae, "post_quant_conv", None) is not None
+    )
     strips: list[torch.Tensor] = []
     previous: list[torch.Tensor] | None = None
     for i in range(0, z.shape[2], stride):

@@ -25,8 +25,15 @@ def build_model(path: str) -> None:
         return
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=4096, initializer_range=0.2,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
     )
     Qwen2ForCausalLM(cfg).save_pretrained(path)
 
@@ -34,8 +41,15 @@ def build_model(path: str) -> None:
 def run_engine(args, reqs) -> float:
     from omnistage.stages.ar import EngineConfig, LLMEngine, SamplingParams
 
-    eng = LLMEngine(EngineConfig(model_path=args.model, max_num_batched_tokens=args.budget, max_num_seqs=64,
-                                 max_model_len=1024, enable_prefix_caching=False))
+    eng = LLMEngine(
+        EngineConfig(
+            model_path=args.model,
+            max_num_batched_tokens=args.budget,
+            max_num_seqs=64,
+            max_model_len=1024,
+            enable_prefix_caching=False,
+        )
+    )
     eng.add_request("warmup", list(range(40)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
@@ -50,8 +64,14 @@ def run_engine(args, reqs) -> float:
 def run_hf_serial(model, reqs) -> float:
     t0 = time.perf_counter()
     for p, o in reqs:
-        model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=o,
-                       min_new_tokens=o, do_sample=False, pad_token_id=0)
+        model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=o,
+            min_new_tokens=o,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return sum(o for _, o in reqs) / (time.perf_counter() - t0)
 
 
@@ -68,7 +88,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     build_model(args.model)
     rng = random.Random(0)
-    reqs = [([rng.randrange(32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256)) for _ in range(args.requests)]
+    reqs = [
+        ([rng.randrange(32000) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
+        for _ in range(args.requests)
+    ]
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -81,7 +104,10 @@ def main() -> None:
         if hf is not None:
             with torch.no_grad():
                 theirs.append(run_hf_serial(hf, reqs[: args.serial_requests]))
-        print(f"run {r}: omnistage {ours[-1]:.1f} tok/s" + (f", hf serial {theirs[-1]:.1f} tok/s" if theirs else ""), flush=True)
+        print(
+            f"run {r}: omnistage {ours[-1]:.1f} tok/s" + (f", hf serial {theirs[-1]:.1f} tok/s" if theirs else ""),
+            flush=True,
+        )
 
     def fmt(xs):
         return f"median {statistics.median(xs):.1f} (min {min(xs):.1f}, max {max(xs):.1f}) tok/s"

@@ -37,8 +37,15 @@ def qwen2_gqa_tied(tmp_path_factory):
 
     torch.manual_seed(0)
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=MAX_POS, initializer_range=0.25,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=MAX_POS,
+        initializer_range=0.25,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     return _save(model, str(tmp_path_factory.mktemp("qwen2_gqa_tied"))), model
@@ -51,8 +58,15 @@ def qwen2_untied(tmp_path_factory):
 
     torch.manual_seed(1)
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, tie_word_embeddings=False, max_position_embeddings=MAX_POS, initializer_range=0.25,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        max_position_embeddings=MAX_POS,
+        initializer_range=0.25,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     return _save(model, str(tmp_path_factory.mktemp("qwen2_untied"))), model
@@ -65,8 +79,15 @@ def qwen3_qknorm(tmp_path_factory):
 
     torch.manual_seed(2)
     cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=MAX_POS,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=MAX_POS,
         initializer_range=0.25,
     )
     model = Qwen3ForCausalLM(cfg).eval()
@@ -74,8 +95,14 @@ def qwen3_qknorm(tmp_path_factory):
 
 
 OMNI_TOKENS = dict(
-    audio_token_index=990, image_token_index=991, video_token_index=992, vision_start_token_id=993,
-    vision_end_token_id=994, audio_start_token_id=995, audio_end_token_id=996, position_id_per_seconds=25,
+    audio_token_index=990,
+    image_token_index=991,
+    video_token_index=992,
+    vision_start_token_id=993,
+    vision_end_token_id=994,
+    audio_start_token_id=995,
+    audio_end_token_id=996,
+    position_id_per_seconds=25,
 )
 
 
@@ -87,16 +114,39 @@ def omni_thinker(tmp_path_factory):
 
     torch.manual_seed(3)
     text = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=MAX_POS, initializer_range=0.25,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POS,
+        initializer_range=0.25,
         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
     )
     cfg = Qwen2_5OmniThinkerConfig(
         text_config=text,
-        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, output_dim=64,
-                          num_mel_bins=16, max_source_positions=100, n_window=10),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           fullatt_block_indexes=[0], patch_size=2, temporal_patch_size=1, spatial_merge_size=2),
+        audio_config=dict(
+            d_model=32,
+            encoder_layers=1,
+            encoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            output_dim=64,
+            num_mel_bins=16,
+            max_source_positions=100,
+            n_window=10,
+        ),
+        vision_config=dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            fullatt_block_indexes=[0],
+            patch_size=2,
+            temporal_patch_size=1,
+            spatial_merge_size=2,
+        ),
         **OMNI_TOKENS,
     )
     model = Qwen2_5OmniThinkerForConditionalGeneration(cfg).eval()
@@ -124,11 +174,16 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
     """transformers greedy generate() for one prompt: (tokens, logprob of each token)."""
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-    tokens = out.sequences[0, len(prompt):].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
     lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
     return tokens, lps
 
@@ -139,7 +194,9 @@ def run_to_completion(engine, max_steps: int = 100000):
     steps = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
-            r = results.setdefault((o.request_id, o.index), {"tokens": [], "logprobs": [], "finish_reason": None, "outputs": []})
+            r = results.setdefault(
+                (o.request_id, o.index), {"tokens": [], "logprobs": [], "finish_reason": None, "outputs": []}
+            )
             r["tokens"].extend(o.new_token_ids)
             if o.new_logprobs:
                 r["logprobs"].extend(o.new_logprobs)
@@ -164,11 +221,24 @@ def omni_talker(tmp_path_factory):
 
     torch.manual_seed(4)
     cfg = Qwen2_5OmniTalkerConfig(
-        vocab_size=300, embedding_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS,
-        initializer_range=0.3, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
-        tts_codec_start_token_id=290, tts_codec_end_token_id=291, tts_codec_pad_token_id=292, tts_codec_mask_token_id=293,
-        tts_text_start_token_id=294, tts_text_end_token_id=295, tts_text_pad_token_id=296,
+        vocab_size=300,
+        embedding_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=MAX_POS,
+        initializer_range=0.3,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+        tts_codec_start_token_id=290,
+        tts_codec_end_token_id=291,
+        tts_codec_pad_token_id=292,
+        tts_codec_mask_token_id=293,
+        tts_text_start_token_id=294,
+        tts_text_end_token_id=295,
+        tts_text_pad_token_id=296,
         **{k: v for k, v in OMNI_TOKENS.items() if k != "position_id_per_seconds"},
     )
     model = Qwen2_5OmniTalkerForConditionalGeneration(cfg).eval()

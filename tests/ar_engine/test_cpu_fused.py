@@ -80,11 +80,19 @@ def test_qk_norm_then_rope_matches_transformers_qwen3(ops):
         k = k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d)).transpose(0, 1).unsqueeze(0)
     want_q, want_k = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
-    ops.qk_norm_rope_(qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d), heads,
-                      q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, cos, signed_sin(sin))
+    ops.qk_norm_rope_(
+        qkv[:, : (heads + kv_heads) * d].view(n, heads + kv_heads, d),
+        heads,
+        q_norm.weight.detach(),
+        k_norm.weight.detach(),
+        1e-6,
+        cos,
+        signed_sin(sin),
+    )
     torch.testing.assert_close(qkv[:, : heads * d].view(n, heads, d), want_q[0].transpose(0, 1), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d),
-                               want_k[0].transpose(0, 1), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(
+        qkv[:, heads * d : (heads + kv_heads) * d].view(n, kv_heads, d), want_k[0].transpose(0, 1), rtol=2e-6, atol=2e-6
+    )
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)
 
 
@@ -111,8 +119,7 @@ def test_wrong_input_is_a_clear_error(ops):
 def test_build_failure_falls_back_to_eager_ops(tmp_path):
     # a fresh cache directory and a compiler that fails: load() reports and returns None
     env = dict(os.environ, OMNISTAGE_KERNEL_CACHE=str(tmp_path), CXX="/bin/false", PYTHONSAFEPATH="1")
-    code = ("import torch; from omnistage.kernels import cpu_fused; "
-            "print('MODULE', cpu_fused.load())")
+    code = "import torch; from omnistage.kernels import cpu_fused; print('MODULE', cpu_fused.load())"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert "MODULE None" in out.stdout, out.stdout + out.stderr
     assert "fused CPU kernels unavailable" in out.stderr

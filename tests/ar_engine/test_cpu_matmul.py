@@ -41,8 +41,9 @@ def test_matches_linear(two_threads, k, n, rows, bias):
     torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     # a column range of the weight (the last layer's query-only projection uses one)
     part = cpu_matmul.matmul(x, weight_t[:, n // 2 :], None if b is None else b[n // 2 :])
-    torch.testing.assert_close(part, F.linear(x, weight[n // 2 :], None if b is None else b[n // 2 :]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        part, F.linear(x, weight[n // 2 :], None if b is None else b[n // 2 :]), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_workspace_is_reused(two_threads):

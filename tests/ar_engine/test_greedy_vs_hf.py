@@ -37,8 +37,13 @@ def make_prompts(seed: int) -> list[list[int]]:
 # fused: norms, RoPE and SiLU through kernels.cpu_fused (the default on CPU), or the eager ops.
 @pytest.mark.parametrize(
     "ckpt,decode_buffer_bytes,threads,fused",
-    [("qwen2_gqa_tied", 1 << 30, 1, True), ("qwen2_untied", 0, 1, True), ("qwen3_qknorm", 600_000, 1, True),
-     ("qwen2_gqa_tied", 1 << 30, 2, True), ("qwen2_untied", 1 << 30, 1, False)],
+    [
+        ("qwen2_gqa_tied", 1 << 30, 1, True),
+        ("qwen2_untied", 0, 1, True),
+        ("qwen3_qknorm", 600_000, 1, True),
+        ("qwen2_gqa_tied", 1 << 30, 2, True),
+        ("qwen2_untied", 1 << 30, 1, False),
+    ],
 )
 def test_greedy_matches_transformers(ckpt, decode_buffer_bytes, threads, fused, request, monkeypatch):
     from omnistage.kernels import cpu_fused
@@ -65,14 +70,21 @@ def _check_greedy(ckpt, decode_buffer_bytes, request, fused):
     assert all(len(set(t)) >= 4 for t in ref_tokens)
 
     engine = LLMEngine(
-        EngineConfig(model_path=path, max_num_batched_tokens=96, max_num_seqs=16, block_size=16,
-                     decode_buffer_bytes=decode_buffer_bytes)
+        EngineConfig(
+            model_path=path,
+            max_num_batched_tokens=96,
+            max_num_seqs=16,
+            block_size=16,
+            decode_buffer_bytes=decode_buffer_bytes,
+        )
     )
     assert (engine.model.norm.fused is not None) == fused  # the kernels are built on this machine
     # Under a roomy cap the decode buffer is allocated once, at start, for max_num_seqs x max_model_len.
     reserved = engine.decode_buffer.buffers[0] if decode_buffer_bytes == 1 << 30 else None
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3))
+        engine.add_request(
+            f"r{i}", p, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+        )
     results = run_to_completion(engine)
     if reserved is not None:
         assert reserved.shape[2] == 16 and reserved.shape[3] >= engine.max_model_len

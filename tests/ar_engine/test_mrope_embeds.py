@@ -36,11 +36,19 @@ def test_mrope_inputs_embeds_hidden_states_match_transformers(omni_thinker):
         embeds[0, img] = torch.randn(int(img.sum()), embeds.shape[-1], generator=g) * 0.5  # "vision features"
         with torch.no_grad():
             out = hf.generate(
-                input_ids=ids, inputs_embeds=embeds, attention_mask=mask, image_grid_thw=grid_t, max_new_tokens=NEW,
-                min_new_tokens=NEW, do_sample=False, output_hidden_states=True, output_scores=True,
-                return_dict_in_generate=True, pad_token_id=0,
+                input_ids=ids,
+                inputs_embeds=embeds,
+                attention_mask=mask,
+                image_grid_thw=grid_t,
+                max_new_tokens=NEW,
+                min_new_tokens=NEW,
+                do_sample=False,
+                output_hidden_states=True,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
             )
-        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        tokens = out.sequences[0, ids.shape[1] :].tolist()
         lps = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens)]
         n_layers = len(out.hidden_states[0]) - 1
         # hidden states of every processed position: the prompt, then each fed-back token
@@ -49,16 +57,23 @@ def test_mrope_inputs_embeds_hidden_states_match_transformers(omni_thinker):
     assert len({t for c in cases for t in c[2]}) >= 8  # diverse reference
 
     engine = LLMEngine(
-        EngineConfig(model_path=path, weight_prefix="thinker.", hidden_state_layers=(0, 1, -1), max_num_batched_tokens=24)
+        EngineConfig(
+            model_path=path, weight_prefix="thinker.", hidden_state_layers=(0, 1, -1), max_num_batched_tokens=24
+        )
     )
     assert engine.model_config.uses_mrope
     for i, (emb, pos, *_rest) in enumerate(cases):
-        engine.add_request(f"m{i}", None, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1),
-                           inputs_embeds=emb, position_ids=pos)
+        engine.add_request(
+            f"m{i}",
+            None,
+            SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1),
+            inputs_embeds=emb,
+            position_ids=pos,
+        )
     # A plain token prompt in the same batch (1-D positions on all three axes).
     engine.add_request("text", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     results = run_to_completion(engine)
-    for i, (emb, pos, tokens, lps, hs) in enumerate(cases):
+    for i, (emb, _pos, tokens, lps, hs) in enumerate(cases):
         got = results[(f"m{i}", 0)]
         assert got["tokens"] == tokens
         for step, tok in enumerate(tokens):
@@ -70,7 +85,13 @@ def test_mrope_inputs_embeds_hidden_states_match_transformers(omni_thinker):
             assert ours.shape == hs[ref_idx].shape == (emb.shape[0] + NEW - 1, emb.shape[1])
             torch.testing.assert_close(ours, hs[ref_idx], atol=1e-4, rtol=1e-4)
     with torch.no_grad():
-        ref_text = hf.generate(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), attention_mask=torch.ones(1, 5, dtype=torch.long),
-                               max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        ref_text = hf.generate(
+            input_ids=torch.tensor([[5, 6, 7, 8, 9]]),
+            attention_mask=torch.ones(1, 5, dtype=torch.long),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert results[("text", 0)]["tokens"] == ref_text[0, 5:].tolist()
     assert_pool_full(engine)

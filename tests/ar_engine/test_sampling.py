@@ -35,8 +35,12 @@ def _seq(tokens, n_prompt, **sp):
 )
 def test_processing_matches_transformers_processors(params):
     from transformers.generation.logits_process import (
-        LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-        TopKLogitsWarper, TopPLogitsWarper,
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
     )
 
     g = torch.Generator().manual_seed(0)
@@ -63,8 +67,15 @@ def test_processing_matches_transformers_processors(params):
 def test_presence_frequency_penalties_and_min_tokens():
     V = 50
     logits = torch.zeros(1, V)
-    s = _seq([1, 2, 3, 7, 7, 7, 9], 3, temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25, min_tokens=10,
-             stop_token_ids=[11])
+    s = _seq(
+        [1, 2, 3, 7, 7, 7, 9],
+        3,
+        temperature=1.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        min_tokens=10,
+        stop_token_ids=[11],
+    )
     out = Sampler(eos_token_ids=(12,)).penalized(logits, [s])[0]
     assert out[7].item() == pytest.approx(-(0.5 + 3 * 0.25))
     assert out[9].item() == pytest.approx(-(0.5 + 0.25))
@@ -87,8 +98,14 @@ def test_seeded_sampling_same_alone_and_in_batch_of_32(qwen2_gqa_tied):
     reqs = []
     for i in range(32):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 120))]
-        sp = SamplingParams(temperature=rng.choice([0.6, 1.0, 1.5]), top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
-                            seed=1000 + i, max_tokens=rng.randint(4, 16), ignore_eos=True)
+        sp = SamplingParams(
+            temperature=rng.choice([0.6, 1.0, 1.5]),
+            top_k=rng.choice([0, 20]),
+            top_p=rng.choice([1.0, 0.9]),
+            seed=1000 + i,
+            max_tokens=rng.randint(4, 16),
+            ignore_eos=True,
+        )
         reqs.append((f"s{i}", prompt, sp))
     batch = _sampled_run(path, reqs, max_num_batched_tokens=128)
     outputs = [batch[(rid, 0)]["tokens"] for rid, _, _ in reqs]
@@ -110,7 +127,9 @@ def test_n_greater_than_one_shares_prompt_blocks(qwen2_gqa_tied):
     ref, _ = hf_greedy(hf_model, prompt, 6)
     engine = LLMEngine(EngineConfig(model_path=path, num_kv_blocks=64, block_size=16))
     engine.add_request("greedy", prompt, SamplingParams(temperature=0, n=3, max_tokens=6, ignore_eos=True))
-    engine.add_request("sampled", prompt[:50], SamplingParams(temperature=1.0, n=4, seed=1, max_tokens=8, ignore_eos=True))
+    engine.add_request(
+        "sampled", prompt[:50], SamplingParams(temperature=1.0, n=4, seed=1, max_tokens=8, ignore_eos=True)
+    )
     seen_used = []
     results: dict = {}
     while engine.has_unfinished_requests():

@@ -119,8 +119,17 @@ def test_bad_requests_fail_alone(qwen2_gqa_tied):
     with pytest.raises(InvalidRequestError, match="unknown sampling parameter") as e:
         engine.add_request("typo", [1, 2], {"temprature": 0.5})
     assert e.value.param == "temprature"
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"n": 0}, {"top_k": -2}, {"logprobs": 100},
-                {"stop_token_ids": ["x"]}, {"max_tokens": 2.5}, {"min_tokens": 10, "max_tokens": 5}):
+    for bad in (
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"n": 0},
+        {"top_k": -2},
+        {"logprobs": 100},
+        {"stop_token_ids": ["x"]},
+        {"max_tokens": 2.5},
+        {"min_tokens": 10, "max_tokens": 5},
+    ):
         with pytest.raises(InvalidRequestError):
             SamplingParams.from_dict(bad)
     with pytest.raises(InvalidRequestError):
@@ -146,7 +155,9 @@ def test_stop_tokens_and_eos(qwen2_gqa_tied):
     engine.add_request("stop", prompt, SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[2]]))
     engine.add_request("eos", prompt, SamplingParams(temperature=0, max_tokens=10))
     engine.add_request("ignore", prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    engine.add_request("min", prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=8, stop_token_ids=[ref[2]]))
+    engine.add_request(
+        "min", prompt, SamplingParams(temperature=0, max_tokens=10, min_tokens=8, stop_token_ids=[ref[2]])
+    )
     res = run_to_completion(engine)
     first_stop = min(i for i, t in enumerate(ref) if t == ref[2])
     assert res[("stop", 0)]["tokens"] == ref[: first_stop + 1] and res[("stop", 0)]["finish_reason"] == "stop"

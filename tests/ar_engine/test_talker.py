@@ -23,8 +23,13 @@ def _reference(talker, prompt, pos, reply):
     delta = int(pos.max()) + 1 - T
     tokens, lps = [], []
     with torch.no_grad():
-        out = talker(inputs_embeds=prompt[None].clone(), position_ids=pos[:, None], thinker_reply_part=reply[None],
-                     cache=cache, use_cache=True)
+        out = talker(
+            inputs_embeds=prompt[None].clone(),
+            position_ids=pos[:, None],
+            thinker_reply_part=reply[None],
+            cache=cache,
+            use_cache=True,
+        )
         for step in range(NEW):
             logp = torch.log_softmax(out.logits[0, -1].float(), -1)
             tok = int(logp.argmax())
@@ -33,8 +38,13 @@ def _reference(talker, prompt, pos, reply):
             if step == NEW - 1:
                 break
             p = torch.full((3, 1, 1), T + step + delta)
-            out = talker(input_ids=torch.tensor([[tok]]), position_ids=p, thinker_reply_part=out.thinker_reply_part,
-                         cache=out.cache, use_cache=True)
+            out = talker(
+                input_ids=torch.tensor([[tok]]),
+                position_ids=p,
+                thinker_reply_part=out.thinker_reply_part,
+                cache=out.cache,
+                use_cache=True,
+            )
     return tokens, lps
 
 

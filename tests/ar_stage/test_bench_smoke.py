@@ -13,7 +13,11 @@ def test_bench_ar_quick(tmp_path):
     out = tmp_path / "ar.json"
     proc = subprocess.run(
         [sys.executable, "-m", "omnistage.serving.cli", "bench", "ar", "--quick", "--json", str(out)],
-        env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True, timeout=380)
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["omnistage_mode"] == "pipeline"

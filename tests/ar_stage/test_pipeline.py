@@ -43,9 +43,13 @@ def ask(prompt=None, messages=None, tokens=None):
 def hf_greedy(model, ids, max_new_tokens):
     """transformers generate() (stops at the checkpoint's EOS ids, like the stage)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def run_concurrently(pipeline, requests):
@@ -84,11 +88,12 @@ def test_greedy_prompts_match_transformers(pipeline, hf_model, hf_tokenizer):
 
 
 def test_chat_messages_match_transformers(pipeline, hf_model, hf_tokenizer):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Say hello in Chinese: 你好"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hello in Chinese: 你好"},
+    ]
     out = pipeline.run(ask(messages=messages), {"llm": GREEDY}, timeout=120)
-    ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                           return_dict=False)
+    ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     ref = hf_greedy(hf_model, list(ids), GREEDY["max_tokens"])
     assert tokens_of(out) == ref
     assert out["text"] == hf_tokenizer.decode(ref, skip_special_tokens=True)
@@ -123,8 +128,7 @@ def test_usage_and_prefix_cache(pipeline, hf_tokenizer):
         assert out["info"]["finish_reason"] == "length"
     cached = second["info"]["usage"]["cached_tokens"]
     assert 16 <= cached < n_prompt and cached % 16 == 0  # whole blocks of the shared prompt
-    salted = pipeline.run(ask(prompt), {"llm": {"max_tokens": 2, "cache_salt": "tenant-b"}},
-                          timeout=120)
+    salted = pipeline.run(ask(prompt), {"llm": {"max_tokens": 2, "cache_salt": "tenant-b"}}, timeout=120)
     assert salted["info"]["usage"]["cached_tokens"] == 0
 
 
@@ -133,7 +137,7 @@ def test_stop_string_cut_from_output(pipeline, hf_tokenizer):
     tokens = tokens_of(full)
     # a stop string made of the tail of token 6's text and the head of token 7's text
     left = hf_tokenizer.decode(tokens[:7], skip_special_tokens=True)
-    stop = left[-2:] + hf_tokenizer.decode(tokens[:9], skip_special_tokens=True)[len(left):][:2]
+    stop = left[-2:] + hf_tokenizer.decode(tokens[:9], skip_special_tokens=True)[len(left) :][:2]
     assert len(stop) >= 3 and stop in full["text"]
     cut = pipeline.run(ask(PROMPTS[2]), {"llm": {**GREEDY, "stop": [stop]}}, timeout=120)
     assert cut["text"] == full["text"][: full["text"].find(stop)]
@@ -142,12 +146,15 @@ def test_stop_string_cut_from_output(pipeline, hf_tokenizer):
 
 
 def test_bad_request_fails_alone(pipeline, hf_model, hf_tokenizer):
-    results = run_concurrently(pipeline, [
-        (ask(PROMPTS[0]), {"llm": {"max_tokens": 4, "temprature": 0.5}}),
-        (ask(PROMPTS[1]), {"llm": GREEDY}),
-        (ask(PROMPTS[0]), {"llm": {"max_tokens": 0}}),
-        (ask(tokens=[5] * 2100), {"llm": {"max_tokens": 4}}),
-    ])
+    results = run_concurrently(
+        pipeline,
+        [
+            (ask(PROMPTS[0]), {"llm": {"max_tokens": 4, "temprature": 0.5}}),
+            (ask(PROMPTS[1]), {"llm": GREEDY}),
+            (ask(PROMPTS[0]), {"llm": {"max_tokens": 0}}),
+            (ask(tokens=[5] * 2100), {"llm": {"max_tokens": 4}}),
+        ],
+    )
     for bad in (results[0], results[2], results[3]):
         assert isinstance(bad, InvalidRequestError), bad
     assert "temprature" in str(results[0])
@@ -160,8 +167,7 @@ def test_bad_request_fails_alone(pipeline, hf_model, hf_tokenizer):
 def test_abort_mid_stream_frees_kv_blocks(pipeline):
     async def start_and_leave():
         n = 0
-        async for chunk in pipeline.stream(ask(PROMPTS[3]),
-                                           {"llm": {"max_tokens": 2000, "ignore_eos": True}}):
+        async for chunk in pipeline.stream(ask(PROMPTS[3]), {"llm": {"max_tokens": 2000, "ignore_eos": True}}):
             if chunk.port == "tokens":
                 n += 1
                 if n == 3:

@@ -8,9 +8,17 @@ from omnistage.stages.registry import get_stage_class
 
 
 def make_stage(model_dir, **params):
-    ctx = StageContext("llm", "ar_lm", str(model_dir), None, None, torch.device("cpu"), torch.float32,
-                       BatchingSpec(policy="continuous", max_num_batched_tokens=32, max_num_seqs=8),
-                       {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 512, **params})
+    ctx = StageContext(
+        "llm",
+        "ar_lm",
+        str(model_dir),
+        None,
+        None,
+        torch.device("cpu"),
+        torch.float32,
+        BatchingSpec(policy="continuous", max_num_batched_tokens=32, max_num_seqs=8),
+        {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 512, **params},
+    )
     return get_stage_class("ar_lm")(ctx)
 
 
@@ -38,8 +46,12 @@ def test_embeddings_in_hidden_states_out_match_transformers(tiny_llm_dir, hf_tok
     ids = hf_tokenizer("The quick brown fox jumps over the lazy dog. 你好")["input_ids"]
     with torch.inference_mode():
         embeds = hf.get_input_embeddings()(torch.tensor([ids]))[0]
-        ref = hf.generate(inputs_embeds=embeds[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=12, do_sample=False)[0].tolist()
+        ref = hf.generate(
+            inputs_embeds=embeds[None],
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+        )[0].tolist()
         ref_states = hf(torch.tensor([ids + ref[:-1]]), output_hidden_states=True).hidden_states
     stage.add(StageRequest("e", {"embeddings": embeds.clone()}, {"max_tokens": 12, "temperature": 0.0}))
     ems = drain(stage)["e"]
@@ -55,9 +67,13 @@ def test_embeddings_in_hidden_states_out_match_transformers(tiny_llm_dir, hf_tok
 
 def test_n_choices_and_logprobs(tiny_llm_dir):
     stage = make_stage(tiny_llm_dir)
-    stage.add(StageRequest("n", {"prompt": "Hello"},
-                           {"max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 7, "logprobs": 2,
-                            "ignore_eos": True}))
+    stage.add(
+        StageRequest(
+            "n",
+            {"prompt": "Hello"},
+            {"max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 7, "logprobs": 2, "ignore_eos": True},
+        )
+    )
     ems = drain(stage)["n"]
     info = ems[-1].outputs["info"]
     assert ems[-1].finished
@@ -74,8 +90,7 @@ def test_n_choices_and_logprobs(tiny_llm_dir):
 def test_stage_params_are_validated():
     cls = get_stage_class("ar_lm")
     assert cls.validate_params({"block_size": 16, "kv_cache_bytes": "64MiB"}) == []
-    problems = cls.validate_params({"block_sise": 16, "enable_prefix_caching": 1,
-                                    "kv_cache_bytes": "lots"})
+    problems = cls.validate_params({"block_sise": 16, "enable_prefix_caching": 1, "kv_cache_bytes": "lots"})
     assert len(problems) == 3 and "block_size" in problems[0]
     _, outs = cls.ports({})
     assert "hidden_states" not in outs

@@ -26,7 +26,7 @@ def _stream(detok: IncrementalDetokenizer, ids, rng: random.Random):
     deltas, i = [], 0
     while i < len(ids):
         k = rng.choice([1, 1, 1, 2, 3])
-        deltas.append(detok.push(ids[i:i + k]))
+        deltas.append(detok.push(ids[i : i + k]))
         i += k
     return deltas
 
@@ -45,14 +45,15 @@ def test_encode_and_chat_template_match_transformers(text_tokenizer, hf_tokenize
     for msgs in (messages, messages[1:2]):
         ref = hf_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         assert text_tokenizer.apply_chat_template(msgs) == ref
-        ref_ids = hf_tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True,
-                                                   return_dict=False)
+        ref_ids = hf_tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
         assert text_tokenizer.encode_chat(msgs) == list(ref_ids)
     # text-only content parts are joined into a plain string before templating
     parts = [{"role": "user", "content": [{"type": "text", "text": "Ag"}, {"type": "text", "text": "ain"}]}]
     assert text_tokenizer.apply_chat_template(parts) == text_tokenizer.apply_chat_template(messages[3:])
-    assert set(text_tokenizer.eos_token_ids) == {hf_tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                                 hf_tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    assert set(text_tokenizer.eos_token_ids) == {
+        hf_tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        hf_tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
     with pytest.raises(InvalidRequestError):
         text_tokenizer.encode_chat([{"content": "no role"}])
 
@@ -104,15 +105,14 @@ def test_stop_matcher_against_str_find():
     alphabet = "ab c😀é"
     for _ in range(2000):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
-        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
-                 for _ in range(rng.randint(1, 3))]
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
         hits = [text.find(s) for s in stops if s in text]
         expected = text[: min(hits)] if hits else text
         matcher = StopStringMatcher(stops)
         out, i, stopped = "", 0, False
         while i < len(text) and not stopped:
             k = rng.randint(1, 4)
-            piece, stopped = matcher.push(text[i:i + k])
+            piece, stopped = matcher.push(text[i : i + k])
             out += piece
             assert expected.startswith(out)  # nothing later cut was ever released
             i += k

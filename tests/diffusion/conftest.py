@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from omnistage.graph.spec import BatchingSpec
 from omnistage.models.recipes import build_recipe
 from omnistage.stages.base import StageContext, StageRequest
-from omnistage.graph.spec import BatchingSpec
 
 torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "1")))
 
@@ -85,8 +85,9 @@ class LocalGraph:
             if em.progress is not None:
                 self.progress[em.request_id].append(em.progress)
             if em.finished:
-                self.vae.add(StageRequest(em.request_id, {"latents": em.outputs["latents"]},
-                                          dict(self.params[em.request_id])))
+                self.vae.add(
+                    StageRequest(em.request_id, {"latents": em.outputs["latents"]}, dict(self.params[em.request_id]))
+                )
         for em in self.vae.step():
             if em.error:
                 self.errors[em.request_id] = ("vae_decoder", em.error_kind, em.error)

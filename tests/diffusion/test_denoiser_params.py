@@ -29,8 +29,9 @@ edges:
 def test_negative_aging_factor_is_a_positioned_yaml_error():
     with pytest.raises(PipelineValidationError) as err:
         load_pipeline_text(YAML.replace("AGING", "-1"), "aging.yaml")
-    assert any(p.startswith("aging.yaml:10:") and "aging_factor must be a number >= 0" in p
-               for p in err.value.problems), err.value.problems
+    assert any(
+        p.startswith("aging.yaml:10:") and "aging_factor must be a number >= 0" in p for p in err.value.problems
+    ), err.value.problems
 
 
 def test_aging_factor_reaches_the_step_engine(sd3_dir, make_ctx_fn):

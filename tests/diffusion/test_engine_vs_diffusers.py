@@ -50,15 +50,25 @@ def test_requests_joining_at_different_steps_share_forwards(family, local_graph,
         "e": dict(seed=5, num_inference_steps=2, prompt="a city street at night in the rain"),
     }
     order = list(reqs)
-    g.submit(order[0], reqs[order[0]]["prompt"], **SMALL, **FAMILY_EXTRA[name],
-             **{k: v for k, v in reqs[order[0]].items() if k != "prompt"})
+    g.submit(
+        order[0],
+        reqs[order[0]]["prompt"],
+        **SMALL,
+        **FAMILY_EXTRA[name],
+        **{k: v for k, v in reqs[order[0]].items() if k != "prompt"},
+    )
     joined = 1
     while g.busy() or joined < len(order):
         g.tick()
         if joined < len(order):  # one more request joins after every engine tick
             rid = order[joined]
-            g.submit(rid, reqs[rid]["prompt"], **SMALL, **FAMILY_EXTRA[name],
-                     **{k: v for k, v in reqs[rid].items() if k != "prompt"})
+            g.submit(
+                rid,
+                reqs[rid]["prompt"],
+                **SMALL,
+                **FAMILY_EXTRA[name],
+                **{k: v for k, v in reqs[rid].items() if k != "prompt"},
+            )
             joined += 1
     assert not g.errors
     # proof from the batch record: forwards held several requests at different step indices
@@ -78,8 +88,16 @@ def test_beside_requests_of_other_sizes(family, local_graph, reference):
     g = local_graph(model_dir)
     sizes = {"big": (48, 48, 6), "small1": (32, 32, 3), "wide": (32, 48, 3), "small2": (32, 32, 2)}
     for i, (rid, (h, w, steps)) in enumerate(sizes.items()):
-        g.submit(rid, "a photo of a cat", height=h, width=w, num_inference_steps=steps, seed=10 + i,
-                 max_sequence_length=24, **FAMILY_EXTRA[name])
+        g.submit(
+            rid,
+            "a photo of a cat",
+            height=h,
+            width=w,
+            num_inference_steps=steps,
+            seed=10 + i,
+            max_sequence_length=24,
+            **FAMILY_EXTRA[name],
+        )
         g.tick()
     g.run()
     assert not g.errors
@@ -93,8 +111,9 @@ def test_beside_requests_of_other_sizes(family, local_graph, reference):
             finish_index[rid] = i
     assert finish_index["small1"] < finish_index["big"]
     for i, (rid, (h, w, steps)) in enumerate(sizes.items()):
-        params = dict(height=h, width=w, num_inference_steps=steps, seed=10 + i, max_sequence_length=24,
-                      **FAMILY_EXTRA[name])
+        params = dict(
+            height=h, width=w, num_inference_steps=steps, seed=10 + i, max_sequence_length=24, **FAMILY_EXTRA[name]
+        )
         assert_matches(g.results[rid], reference(model_dir, "a photo of a cat", **params))
 
 
@@ -110,8 +129,10 @@ def test_num_images_per_prompt_two(family, local_graph, reference):
     assert out.shape[0] == 2
     assert not np.allclose(out[0].numpy(), out[1].numpy())  # one generator drew two different latents
     assert_matches(out, reference(model_dir, "portrait of an old man with a beard", **params))
-    assert_matches(g.results["n1"], reference(model_dir, "portrait of an old man with a beard",
-                                              **dict(params, num_images_per_prompt=1, seed=12)))
+    assert_matches(
+        g.results["n1"],
+        reference(model_dir, "portrait of an old man with a beard", **dict(params, num_images_per_prompt=1, seed=12)),
+    )
 
 
 def test_cancel_mid_denoise_leaves_others_unchanged(family, local_graph, reference):
@@ -198,8 +219,14 @@ def test_sd3_without_cfg_and_flux_true_cfg(sd3_dir, flux_dir, local_graph, refer
     assert_matches(g.results["cfg"], reference(sd3_dir, "a cat", **cfg))
     # FLUX true CFG (true_cfg_scale > 1 with a negative prompt): negative rows in the same forward
     g = local_graph(flux_dir)
-    true_cfg = dict(SMALL, num_inference_steps=3, seed=4, guidance_scale=3.5, true_cfg_scale=2.0,
-                    negative_prompt="blurry, low quality")
+    true_cfg = dict(
+        SMALL,
+        num_inference_steps=3,
+        seed=4,
+        guidance_scale=3.5,
+        true_cfg_scale=2.0,
+        negative_prompt="blurry, low quality",
+    )
     g.submit("tcfg", "a cat", **true_cfg)
     g.run()
     assert g.dn.step_log[0].extra["rows"] == 2

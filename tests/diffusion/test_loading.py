@@ -24,8 +24,9 @@ def test_per_component_paths_equal_the_diffusers_directory(sd3_dir, make_ctx_fn)
     whole = build_adapter(ctx_for(make_ctx_fn, "text_encoder", sd3_dir), "TEXT_ENCODER")
     names = ["tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3"]
     split = build_adapter(
-        ctx_for(make_ctx_fn, "text_encoder", None,
-                {"family": "sd3", "components": {n: str(sd3_dir / n) for n in names}}),
+        ctx_for(
+            make_ctx_fn, "text_encoder", None, {"family": "sd3", "components": {n: str(sd3_dir / n) for n in names}}
+        ),
         "TEXT_ENCODER",
     )
     a = whole.encode(["a photo of a cat"], 24)

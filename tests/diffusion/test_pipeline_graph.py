@@ -26,7 +26,9 @@ def graph(request, sd3_dir, flux_dir):
     old = os.environ.get(var)
     os.environ[var] = f"tiny:tiny-{family}"
     try:
-        pipe = Pipeline.from_yaml(family, overrides=[f"stages.{s}.pool.threads=1" for s in ("text_encoder", "denoiser", "vae")])
+        pipe = Pipeline.from_yaml(
+            family, overrides=[f"stages.{s}.pool.threads=1" for s in ("text_encoder", "denoiser", "vae")]
+        )
     finally:
         if old is None:
             os.environ.pop(var, None)
@@ -119,16 +121,16 @@ def test_cancel_mid_denoise(graph, reference):
     keep = [("a photo of a cat", gen(family, num_inference_steps=12, seed=30 + i)) for i in range(2)]
 
     async def victim():
-        agen = pipe.stream({"prompt": "a bowl of fruit"}, stage_params(pipe, gen(family, num_inference_steps=200, seed=9)))
+        agen = pipe.stream(
+            {"prompt": "a bowl of fruit"}, stage_params(pipe, gen(family, num_inference_steps=200, seed=9))
+        )
         async for chunk in agen:
             if chunk.progress is not None and chunk.progress[0] >= 2:
                 break  # closing the stream cancels the request in every stage
         await agen.aclose()
 
     async def scenario():
-        return await asyncio.wait_for(
-            asyncio.gather(victim(), *[stream_one(pipe, p, g) for p, g in keep]), 240
-        )
+        return await asyncio.wait_for(asyncio.gather(victim(), *[stream_one(pipe, p, g) for p, g in keep]), 240)
 
     _, *results = asyncio.run(scenario())
     for (prompt, g), (outputs, _) in zip(keep, results):
@@ -148,8 +150,9 @@ async def _wait_for(pred, timeout=20.0):
     return pred()
 
 
-@pytest.mark.parametrize("bad", [dict(height=30), dict(num_inference_steps=0), dict(num_images_per_prompt=0),
-                                 dict(guidance_scale=-2.0)])
+@pytest.mark.parametrize(
+    "bad", [dict(height=30), dict(num_inference_steps=0), dict(num_images_per_prompt=0), dict(guidance_scale=-2.0)]
+)
 def test_bad_params_fail_alone(graph, reference, bad):
     family, model_dir, pipe = graph
     good = gen(family, num_inference_steps=3, seed=41)

@@ -13,8 +13,7 @@ from omnistage.stages.diffusion.step_engine import StepEngine
 def add(engine, kit, rid, size=32, steps=4, n=1, seed=0):
     adapter, text = kit
     params = GenerationParams.from_dict(
-        dict(height=size, width=size, num_inference_steps=steps, num_images_per_prompt=n, seed=seed,
-             guidance_scale=4.0)
+        dict(height=size, width=size, num_inference_steps=steps, num_images_per_prompt=n, seed=seed, guidance_scale=4.0)
     )
     state = adapter.prepare(rid, params, text)
     engine.add(state)
@@ -104,8 +103,9 @@ def test_aging_wait_seconds_bound(sd3_denoise_kit):
     """With a time bound, a bucket not served for aging_wait_s seconds goes next, whatever the
     work bound says (a fake clock advancing 1 s per read makes it deterministic)."""
     ticks = iter(range(10**6))
-    engine = StepEngine(sd3_denoise_kit[0], max_batch_size=8, aging_factor=1e9, aging_wait_s=5.0,
-                        clock=lambda: float(next(ticks)))
+    engine = StepEngine(
+        sd3_denoise_kit[0], max_batch_size=8, aging_factor=1e9, aging_wait_s=5.0, clock=lambda: float(next(ticks))
+    )
     add(engine, sd3_denoise_kit, "big", size=64, steps=3)
     seq = 0
     while engine.state("big") is not None:

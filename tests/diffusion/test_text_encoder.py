@@ -36,8 +36,13 @@ def test_sd3_rows_equal_diffusers_encode_prompt(sd3_dir, make_ctx_fn):
     for rid, prompt, params in reqs:
         do_cfg = params.get("guidance_scale", 7.0) > 1
         pe, npe, pp, npp = pipe.encode_prompt(
-            prompt, None, None, do_classifier_free_guidance=do_cfg,
-            negative_prompt=params.get("negative_prompt"), max_sequence_length=24, device=torch.device("cpu"),
+            prompt,
+            None,
+            None,
+            do_classifier_free_guidance=do_cfg,
+            negative_prompt=params.get("negative_prompt"),
+            max_sequence_length=24,
+            device=torch.device("cpu"),
         )
         got = out[rid]
         assert got["prompt_embeds"].shape[0] == (2 if do_cfg else 1)

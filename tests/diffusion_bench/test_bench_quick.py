@@ -13,12 +13,20 @@ def test_quick_bench_writes_the_json_keys(tmp_path):
     env = dict(os.environ, PYTHONSAFEPATH="1")
     proc = subprocess.run(
         [sys.executable, "-m", "omnistage.serving.cli", "bench", "diffusion", "--quick", "--json", str(out)],
-        env=env, capture_output=True, text=True, timeout=420,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    for key in ("throughput_vs_serial", "throughput_vs_ideal", "p50_latency_vs_serial",
-                "p50_latency_vs_request_batching", "p99_latency_vs_serial"):
+    for key in (
+        "throughput_vs_serial",
+        "throughput_vs_ideal",
+        "p50_latency_vs_serial",
+        "p50_latency_vs_request_batching",
+        "p99_latency_vs_serial",
+    ):
         assert isinstance(data["ratios"][key], float) and data["ratios"][key] > 0
     for system in ("serial", "request_batching", "omnistage"):
         for key in ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean"):
@@ -37,6 +45,9 @@ def test_serial_service_time_excludes_queueing():
     from omnistage.bench.diffusion_baselines import RequestRecord, RunResult, service_times
 
     t0 = 100.0
-    records = [RequestRecord(0, t0, finish=t0 + 2.0), RequestRecord(1, t0, finish=t0 + 3.0),
-               RequestRecord(2, t0 + 10.0, finish=t0 + 10.5)]  # arrived after the pipeline went idle
+    records = [
+        RequestRecord(0, t0, finish=t0 + 2.0),
+        RequestRecord(1, t0, finish=t0 + 3.0),
+        RequestRecord(2, t0 + 10.0, finish=t0 + 10.5),
+    ]  # arrived after the pipeline went idle
     assert service_times(RunResult(records, 10.5)) == [2.0, 1.0, 0.5]

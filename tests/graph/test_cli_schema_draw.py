@@ -13,11 +13,10 @@ from pathlib import Path
 import jsonschema
 from ruamel.yaml import YAML
 
+import omnistage
 from omnistage.graph.draw import draw_command, to_dot, to_mermaid
 from omnistage.graph.loader import load_pipeline
 from omnistage.graph.schema import json_schema
-
-import omnistage
 
 PACKAGE = Path(omnistage.__file__).parent
 EXAMPLES = sorted((PACKAGE / "configs" / "examples").glob("*.yaml"))
@@ -37,8 +36,9 @@ def test_cli_validate_exit_codes(tmp_path):
     assert "ok (diamond: 4 stages, 7 edges)" in ok.stdout
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text(DIAMOND.read_text().replace("replicas: 2", "replicas: 0")
-                   .replace("to: left.input}", "to: left.inptu}"))
+    bad.write_text(
+        DIAMOND.read_text().replace("replicas: 2", "replicas: 0").replace("to: left.input}", "to: left.inptu}")
+    )
     result = run_cli("validate", str(bad), "--set", "stages.embed.pool.devices=[cuda:0, tpu]")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -47,10 +47,10 @@ def test_cli_validate_exit_codes(tmp_path):
     replicas_line = next(i for i, line in enumerate(text, 1) if "replicas: 2" in line)
     col = text[replicas_line - 1].index("2") + 1
     assert f"{bad}:{replicas_line}:{col}: stages.right.pool.replicas must be >= 1, got 0" in lines
-    assert any(line.startswith(f"{bad}:") and "has no input port 'inptu' (did you mean 'input'?)"
-               in line for line in lines), lines
-    assert "<--set #1>:1:36: stages.embed.pool.devices: malformed device 'tpu'; expected cpu, " \
-           "cuda or cuda:N" in lines
+    assert any(
+        line.startswith(f"{bad}:") and "has no input port 'inptu' (did you mean 'input'?)" in line for line in lines
+    ), lines
+    assert "<--set #1>:1:36: stages.embed.pool.devices: malformed device 'tpu'; expected cpu, cuda or cuda:N" in lines
 
 
 def test_cli_graph_prints_mermaid():
@@ -108,10 +108,15 @@ def test_mermaid_and_dot_contain_every_edge():
         src = f"in_{edge.src.port}" if edge.src.stage == "inputs" else f"s_{edge.src.stage}"
         dst = f"out_{edge.dst.port}" if edge.dst.stage == "outputs" else f"s_{edge.dst.stage}"
         arrow = "-.->" if edge.streaming else "-->"
-        assert re.search(rf"^    {src} {re.escape(arrow)}\|\"{edge.src.port} → {edge.dst.port}[^\"]*\"\| {dst}$",
-                         mermaid, re.M), (edge, mermaid)
-        assert re.search(rf'^    "{src}" -> "{dst}" \[label="{edge.src.port} → {edge.dst.port}[^"]*"'
-                         rf'{", style=dashed" if edge.streaming else ""}\];$', dot, re.M), (edge, dot)
+        assert re.search(
+            rf"^    {src} {re.escape(arrow)}\|\"{edge.src.port} → {edge.dst.port}[^\"]*\"\| {dst}$", mermaid, re.M
+        ), (edge, mermaid)
+        assert re.search(
+            rf'^    "{src}" -> "{dst}" \[label="{edge.src.port} → {edge.dst.port}[^"]*"'
+            rf"{', style=dashed' if edge.streaming else ''}\];$",
+            dot,
+            re.M,
+        ), (edge, dot)
     assert mermaid.count("-->") + mermaid.count("-.->") == len(spec.edges)
     assert dot.count(" -> ") == len(spec.edges)
 
@@ -142,8 +147,7 @@ def test_cli_schema_prints_the_schema(capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(json.dumps(json_schema()))
     assert printed["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert set(printed["properties"]) == {"name", "description", "inputs", "outputs", "stages",
-                                          "edges", "limits"}
+    assert set(printed["properties"]) == {"name", "description", "inputs", "outputs", "stages", "edges", "limits"}
 
 
 def test_load_pipeline_text_and_lazy_package_exports():

@@ -133,7 +133,10 @@ def test_valid_baseline_builds_the_spec(tmp_path):
 
 
 def test_fan_out_and_fan_in_are_valid(tmp_path):
-    spec = load_pipeline(write(tmp_path, """
+    spec = load_pipeline(
+        write(
+            tmp_path,
+            """
         name: diamond
         inputs: {q: text}
         outputs: {o: text, copy: text}
@@ -150,19 +153,24 @@ def test_fan_out_and_fan_in_are_valid(tmp_path):
           - {from: c.y, to: d.in1}
           - {from: d.out, to: outputs.o}
           - {from: a.y, to: outputs.copy}
-    """))
+    """,
+        )
+    )
     order = spec.topo_order()
     assert order[0] == "a" and order[-1] == "d" and set(order) == {"a", "b", "c", "d"}
     assert [str(e.dst) for e in spec.in_edges("d")] == ["d.in0", "d.in1"]
 
 
 def test_yaml_syntax_error_has_line_and_column(tmp_path):
-    f, lines = problems(tmp_path, """
+    f, lines = problems(
+        tmp_path,
+        """
         name: x
         stages:
           a: {kind: gtest_any
         edges: []
-    """)
+    """,
+    )
     assert len(lines) == 1
     has(lines, f"{f}:4:6:", "YAML syntax error", "expected ',' or '}'")
     f, lines = problems(tmp_path, "name: x\nname: y\n")
@@ -170,8 +178,12 @@ def test_yaml_syntax_error_has_line_and_column(tmp_path):
 
 
 def test_unknown_keys_with_did_you_mean(tmp_path):
-    f, lines = problems(tmp_path, GOOD.replace("edges:", "edgse:").replace(
-        "pool: {devices: [cpu], replicas: 2}", "pool: {devices: [cpu], replica: 2}"))
+    f, lines = problems(
+        tmp_path,
+        GOOD.replace("edges:", "edgse:").replace(
+            "pool: {devices: [cpu], replicas: 2}", "pool: {devices: [cpu], replica: 2}"
+        ),
+    )
     has(lines, f"{f}:14:28:", "unknown key 'replica' in stages.voc.pool", "(did you mean 'replicas'?)")
     has(lines, f"{f}:15:1:", "unknown key 'edgse'", "(did you mean 'edges'?)")
     # the suggested key is not reported missing a second time
@@ -194,7 +206,9 @@ def test_kind_whose_module_fails_to_import_is_reported_at_the_kind(tmp_path, mon
 
 
 def test_missing_required_fields(tmp_path):
-    f, lines = problems(tmp_path, """
+    f, lines = problems(
+        tmp_path,
+        """
         inputs: {q: text}
         outputs: {o: any}
         stages:
@@ -202,19 +216,26 @@ def test_missing_required_fields(tmp_path):
             pool: {replicas: 1}
         edges:
           - {from: inputs.q}
-    """)
+    """,
+    )
     has(lines, f"{f}:1:1:", "missing required field 'name'")
     has(lines, f"{f}:4:3:", "stages.a: missing required field 'kind'")
     has(lines, f"{f}:7:5:", "edges[0]: missing required field 'to'")
 
 
 def test_bad_values_types_and_ranges(tmp_path):
-    f, lines = problems(tmp_path, GOOD.replace(
-        "pool: {devices: [cpu], replicas: 2}",
-        "pool: {devices: [cpu], replicas: 0, dtype: fp16, threads: two, memory: 2 gigs}").replace(
-        "max_num_seqs: 4", "max_num_seqs: 4.5").replace("{chunk: 4}", "{chunk: 0}") + textwrap.dedent("""
+    f, lines = problems(
+        tmp_path,
+        GOOD.replace(
+            "pool: {devices: [cpu], replicas: 2}",
+            "pool: {devices: [cpu], replicas: 0, dtype: fp16, threads: two, memory: 2 gigs}",
+        )
+        .replace("max_num_seqs: 4", "max_num_seqs: 4.5")
+        .replace("{chunk: 4}", "{chunk: 0}")
+        + textwrap.dedent("""
         limits: {max_queued_requests: -1, deadline_s: 0}
-    """))
+    """),
+    )
     has(lines, f"{f}:14:38:", "stages.voc.pool.replicas must be >= 1, got 0")
     has(lines, f"{f}:14:48:", "'fp16' is not one of float32, float16, bfloat16", "(did you mean 'float16'?)")
     has(lines, f"{f}:14:63:", "stages.voc.pool.threads must be an integer >= 1, got string 'two'")
@@ -223,13 +244,16 @@ def test_bad_values_types_and_ranges(tmp_path):
     has(lines, f"{f}:17:49:", "edges[1].stream.chunk must be >= 1, got 0")
     has(lines, f"{f}:22:31:", "limits.max_queued_requests must be >= 1, got -1")
     has(lines, f"{f}:22:47:", "limits.deadline_s must be > 0, got 0")
-    f, lines = problems(tmp_path, GOOD.replace("outputs: {audio: audio, text: text}",
-                                               "outputs: {audio: sound, text: text}"))
+    f, lines = problems(
+        tmp_path, GOOD.replace("outputs: {audio: audio, text: text}", "outputs: {audio: sound, text: text}")
+    )
     has(lines, f"{f}:3:18:", "unknown port type 'sound'")
 
 
 def test_cycle_is_named(tmp_path):
-    f, lines = problems(tmp_path, """
+    f, lines = problems(
+        tmp_path,
+        """
         name: loop
         inputs: {q: text}
         outputs: {o: any}
@@ -243,33 +267,38 @@ def test_cycle_is_named(tmp_path):
           - {from: b.y, to: c.x}
           - {from: c.y, to: a.in1}
           - {from: c.y, to: outputs.o}
-    """)
+    """,
+    )
     assert lines == [f"{f}:10:5: cycle: a -> b -> c -> a (a pipeline graph must be acyclic)"]
 
 
 def test_edges_naming_unknown_stages_and_ports(tmp_path):
-    f, lines = problems(tmp_path, GOOD.replace("{from: lm.tokens, to: voc.tokens}",
-                                               "{from: lm.tokns, to: vox.tokens}").replace(
-        "{from: inputs.prompt, to: enc.text}", "{from: inputs.promt, to: enc.txt}"))
+    f, lines = problems(
+        tmp_path,
+        GOOD.replace("{from: lm.tokens, to: voc.tokens}", "{from: lm.tokns, to: vox.tokens}").replace(
+            "{from: inputs.prompt, to: enc.text}", "{from: inputs.promt, to: enc.txt}"
+        ),
+    )
     has(lines, f"{f}:16:19:", "the pipeline has no input 'promt'", "(did you mean 'prompt'?)")
-    has(lines, f"{f}:16:34:", "stage 'enc' (kind gtest_encoder) has no input port 'txt'",
-        "(did you mean 'text'?)")
+    has(lines, f"{f}:16:34:", "stage 'enc' (kind gtest_encoder) has no input port 'txt'", "(did you mean 'text'?)")
     has(lines, f"{f}:18:15:", "has no output port 'tokns'", "(did you mean 'tokens'?)")
     has(lines, f"{f}:18:26:", "no stage named 'vox'", "(did you mean 'voc'?)")
-    f, lines = problems(tmp_path, GOOD.replace("{from: lm.text, to: outputs.text}",
-                                               "{from: outputs.text, to: lm}"))
+    f, lines = problems(tmp_path, GOOD.replace("{from: lm.text, to: outputs.text}", "{from: outputs.text, to: lm}"))
     has(lines, f"{f}:20:12:", "an edge cannot start at outputs.text")
     has(lines, f"{f}:20:30:", "'lm' is not stage.port")
 
 
 def test_unconnected_required_inputs_and_outputs(tmp_path):
     # drop the edge into voc.tokens; lm.prefix stays unconnected but is optional
-    f, lines = problems(tmp_path, GOOD.replace("  - {from: lm.tokens, to: voc.tokens}\n", "")
-                        .replace("  - {from: lm.text, to: outputs.text}\n", ""))
+    f, lines = problems(
+        tmp_path,
+        GOOD.replace("  - {from: lm.tokens, to: voc.tokens}\n", "").replace(
+            "  - {from: lm.text, to: outputs.text}\n", ""
+        ),
+    )
     assert lines == [
         f"{f}:3:25: pipeline output 'text' is not connected; add an edge `to: outputs.text`",
-        f"{f}:12:3: input port 'tokens' (tokens) of stage 'voc' is not connected; add an edge "
-        "`to: voc.tokens`",
+        f"{f}:12:3: input port 'tokens' (tokens) of stage 'voc' is not connected; add an edge `to: voc.tokens`",
     ]
 
 
@@ -280,7 +309,9 @@ def test_two_producers_on_one_input_port(tmp_path):
 
 
 def test_type_mismatch_and_any(tmp_path):
-    f, lines = problems(tmp_path, """
+    f, lines = problems(
+        tmp_path,
+        """
         name: mix
         inputs: {q: text, e: embeddings, z: audio}
         outputs: {o: json, p: any}
@@ -293,7 +324,8 @@ def test_type_mismatch_and_any(tmp_path):
           - {from: m.out, to: outputs.o}
           - {from: inputs.z, to: n.x}
           - {from: n.y, to: outputs.p}
-    """)
+    """,
+    )
     assert lines == [
         f"{f}:8:26: type mismatch: inputs.q is text but m.b takes embeddings",
         f"{f}:9:26: type mismatch: inputs.e is embeddings but m.a takes text",
@@ -301,10 +333,14 @@ def test_type_mismatch_and_any(tmp_path):
 
 
 def test_streaming_edge_into_non_streaming_port(tmp_path):
-    f, lines = problems(tmp_path, GOOD.replace("{from: lm.tokens, to: voc.tokens}",
-                                               "{from: lm.tokens, to: voc.tokens, stream: {chunk: 8}}"))
-    assert lines == [f"{f}:18:39: streaming edge into voc.tokens, which does not accept chunks "
-                     "(its port is not streaming); drop `stream:` or connect a streaming port"]
+    f, lines = problems(
+        tmp_path,
+        GOOD.replace("{from: lm.tokens, to: voc.tokens}", "{from: lm.tokens, to: voc.tokens, stream: {chunk: 8}}"),
+    )
+    assert lines == [
+        f"{f}:18:39: streaming edge into voc.tokens, which does not accept chunks "
+        "(its port is not streaming); drop `stream:` or connect a streaming port"
+    ]
 
 
 def test_malformed_device_names(tmp_path):
@@ -319,10 +355,13 @@ def test_malformed_device_names(tmp_path):
 
 
 def test_batching_policy_not_supported_by_kind(tmp_path):
-    f, lines = problems(tmp_path, GOOD.replace("{policy: continuous, max_num_seqs: 4}",
-                                               "{policy: dynamic, max_batch_size: 4}"))
-    assert lines == [f"{f}:10:24: stages.lm.batching: stage kind 'gtest_lm' does not support "
-                     "batching policy 'dynamic' (supported: continuous)"]
+    f, lines = problems(
+        tmp_path, GOOD.replace("{policy: continuous, max_num_seqs: 4}", "{policy: dynamic, max_batch_size: 4}")
+    )
+    assert lines == [
+        f"{f}:10:24: stages.lm.batching: stage kind 'gtest_lm' does not support "
+        "batching policy 'dynamic' (supported: continuous)"
+    ]
     f, lines = problems(tmp_path, GOOD.replace("max_num_seqs: 4", "max_batch_size: 4"))
     has(lines, f"{f}:10:36:", "max_batch_size is a knob of the dynamic / step policy, not 'continuous'")
     f, lines = problems(tmp_path, GOOD.replace("policy: continuous", "policy: continous"))
@@ -331,15 +370,20 @@ def test_batching_policy_not_supported_by_kind(tmp_path):
 
 def test_model_required_and_tiny_recipe_checked(tmp_path):
     f, lines = problems(tmp_path, GOOD.replace("    model: tiny:tiny-llm\n", ""))
-    assert lines == [f"{f}:7:3: stages.lm: stage kind 'gtest_lm' needs a model "
-                     "(model: <local path | hub id | tiny:recipe>)"]
+    assert lines == [
+        f"{f}:7:3: stages.lm: stage kind 'gtest_lm' needs a model (model: <local path | hub id | tiny:recipe>)"
+    ]
     f, lines = problems(tmp_path, GOOD.replace("tiny:tiny-llm", "tiny:tiny-lm"))
     has(lines, f"{f}:9:12:", "unknown tiny recipe 'tiny-lm'", "(did you mean 'tiny-llm'?)")
 
 
 def test_model_mapping_and_relative_path(tmp_path):
-    spec = load_pipeline(write(tmp_path, GOOD.replace(
-        "model: tiny:tiny-llm", "model: {source: ./ckpt, subfolder: thinker, prefix: 'thinker.'}")))
+    spec = load_pipeline(
+        write(
+            tmp_path,
+            GOOD.replace("model: tiny:tiny-llm", "model: {source: ./ckpt, subfolder: thinker, prefix: 'thinker.'}"),
+        )
+    )
     model = spec.stages["lm"].model
     assert model.source == str((tmp_path / "ckpt").resolve())
     assert (model.subfolder, model.prefix) == ("thinker", "thinker.")
@@ -353,24 +397,28 @@ def test_validate_params_messages_at_params(tmp_path):
 
 
 def test_every_problem_is_reported_in_file_order(tmp_path):
-    f, lines = problems(tmp_path, GOOD.replace("name: speech", "nme: speech")
-                        .replace("replicas: 2", "replicas: 0")
-                        .replace("{from: lm.text, to: outputs.text}", "{from: lm.txt, to: outputs.text}"))
+    f, lines = problems(
+        tmp_path,
+        GOOD.replace("name: speech", "nme: speech")
+        .replace("replicas: 2", "replicas: 0")
+        .replace("{from: lm.text, to: outputs.text}", "{from: lm.txt, to: outputs.text}"),
+    )
     assert [line.split(": ")[0] for line in lines] == [f"{f}:1:1", f"{f}:14:38", f"{f}:20:15"]
 
 
 # -- environment interpolation ----------------------------------------------------------------
-ENV_GOOD = GOOD.replace("pool: {devices: [cpu], replicas: 2}",
-                        "pool: {devices: \"${VOC_DEVICES:-[cpu]}\", replicas: \"${VOC_REPLICAS:-2}\"}") \
-               .replace("name: speech", "name: speech-${FLAVOR:-base}")
+ENV_GOOD = GOOD.replace(
+    "pool: {devices: [cpu], replicas: 2}", 'pool: {devices: "${VOC_DEVICES:-[cpu]}", replicas: "${VOC_REPLICAS:-2}"}'
+).replace("name: speech", "name: speech-${FLAVOR:-base}")
 
 
 def test_env_defaults_and_values(tmp_path):
     spec = load_pipeline(write(tmp_path, ENV_GOOD), environ={})
     assert spec.name == "speech-base"
     assert spec.stages["voc"].pool.devices == ["cpu"] and spec.stages["voc"].pool.replicas == 2
-    spec = load_pipeline(write(tmp_path, ENV_GOOD), environ={
-        "VOC_DEVICES": "[cuda:0, cuda:1]", "VOC_REPLICAS": "4", "FLAVOR": "big"})
+    spec = load_pipeline(
+        write(tmp_path, ENV_GOOD), environ={"VOC_DEVICES": "[cuda:0, cuda:1]", "VOC_REPLICAS": "4", "FLAVOR": "big"}
+    )
     assert spec.name == "speech-big"
     assert spec.stages["voc"].pool.devices == ["cuda:0", "cuda:1"]
     assert spec.stages["voc"].pool.replicas == 4
@@ -378,16 +426,24 @@ def test_env_defaults_and_values(tmp_path):
 
 def test_env_reads_os_environ_and_literal_dollar(tmp_path, monkeypatch):
     monkeypatch.setenv("GTEST_PIPELINE_NAME", "from-env")
-    spec = load_pipeline(write(tmp_path, GOOD.replace("name: speech", "name: ${GTEST_PIPELINE_NAME}")
-                               .replace("{temperature: 0.5}", "{temperature: 0.5, note: '$${not}'}")))
+    spec = load_pipeline(
+        write(
+            tmp_path,
+            GOOD.replace("name: speech", "name: ${GTEST_PIPELINE_NAME}").replace(
+                "{temperature: 0.5}", "{temperature: 0.5, note: '$${not}'}"
+            ),
+        )
+    )
     assert spec.name == "from-env"
     assert spec.stages["lm"].params["note"] == "${not}"
 
 
 def test_env_missing_without_default_is_an_error_at_its_position(tmp_path):
     f, lines = problems(tmp_path, GOOD.replace("name: speech", "name: speech-${GTEST_UNSET_VAR}"))
-    assert lines == [f"{f}:1:14: environment variable GTEST_UNSET_VAR is not set and "
-                     "'${GTEST_UNSET_VAR}' gives no default (write ${GTEST_UNSET_VAR:-default})"]
+    assert lines == [
+        f"{f}:1:14: environment variable GTEST_UNSET_VAR is not set and "
+        "'${GTEST_UNSET_VAR}' gives no default (write ${GTEST_UNSET_VAR:-default})"
+    ]
 
 
 def test_env_value_is_validated_like_a_literal(tmp_path):
@@ -398,13 +454,16 @@ def test_env_value_is_validated_like_a_literal(tmp_path):
 # -- --set overrides ---------------------------------------------------------------------------
 def test_overrides_set_values_and_create_sections(tmp_path):
     path = write(tmp_path, GOOD)
-    spec = load_pipeline(path, overrides=[
-        "stages.voc.pool.devices=[cuda:0, cuda:1]",
-        "stages.enc.pool.threads=2",  # enc has no pool: it is created
-        "edges.1.stream.chunk=16",
-        "stages.lm.params.temperature=0",
-        "limits.max_queued_requests=8",
-    ])
+    spec = load_pipeline(
+        path,
+        overrides=[
+            "stages.voc.pool.devices=[cuda:0, cuda:1]",
+            "stages.enc.pool.threads=2",  # enc has no pool: it is created
+            "edges.1.stream.chunk=16",
+            "stages.lm.params.temperature=0",
+            "limits.max_queued_requests=8",
+        ],
+    )
     assert spec.stages["voc"].pool.devices == ["cuda:0", "cuda:1"]
     assert spec.stages["enc"].pool.threads == 2
     assert spec.edges[1].stream.chunk == 16
@@ -413,21 +472,23 @@ def test_overrides_set_values_and_create_sections(tmp_path):
 
 
 def test_override_problems_point_into_the_override(tmp_path):
-    f, lines = problems(tmp_path, GOOD, overrides=[
-        "stages.vox.pool.replicas=2",
-        "stages.voc.pool.replica=2",
-        "stages.voc.pool.devices=[gpu:0]",
-        "edges.9.max_inflight=2",
-        "novalue",
-    ])
+    f, lines = problems(
+        tmp_path,
+        GOOD,
+        overrides=[
+            "stages.vox.pool.replicas=2",
+            "stages.voc.pool.replica=2",
+            "stages.voc.pool.devices=[gpu:0]",
+            "edges.9.max_inflight=2",
+            "novalue",
+        ],
+    )
     assert lines == [
-        "<--set #1>:1:8: unknown override path 'stages.vox.pool.replicas': no stage named 'vox' "
-        "(did you mean 'voc'?)",
+        "<--set #1>:1:8: unknown override path 'stages.vox.pool.replicas': no stage named 'vox' (did you mean 'voc'?)",
         "<--set #2>:1:17: unknown key 'replica' in stages.voc.pool (did you mean 'replicas'?)",
         "<--set #3>:1:26: stages.voc.pool.devices: malformed device 'gpu:0'; expected cpu, cuda or "
         "cuda:N (did you mean 'cuda:0'?)",
-        "<--set #4>:1:7: unknown override path 'edges.9.max_inflight': edges is a list of 5 items; "
-        "use an index 0..4",
+        "<--set #4>:1:7: unknown override path 'edges.9.max_inflight': edges is a list of 5 items; use an index 0..4",
         "<--set #5>:1:1: override 'novalue' is not PATH=VALUE (e.g. stages.llm.pool.devices=[cuda:0])",
     ]
 
@@ -442,13 +503,14 @@ def test_bare_name_resolves_under_the_package_configs(tmp_path):
     assert resolve_pipeline_path("tiny-llm.yaml") == Path("tiny-llm.yaml")
     with pytest.raises(PipelineValidationError) as info:
         load_pipeline("gtest-no-such-pipeline")
-    assert info.value.problems[0].startswith(f"{configs / 'gtest-no-such-pipeline.yaml'}:1:1: "
-                                             "no such pipeline file")
+    assert info.value.problems[0].startswith(f"{configs / 'gtest-no-such-pipeline.yaml'}:1:1: no such pipeline file")
 
 
 def test_edge_ends_reversed_and_broken_stream_still_checks_endpoints(tmp_path):
-    f, lines = problems(tmp_path, GOOD + "  - {from: enc.emb, to: inputs.prompt}\n"
-                        + "  - {from: lm.txt, to: outputs.text, stream: 3}\n")
+    f, lines = problems(
+        tmp_path,
+        GOOD + "  - {from: enc.emb, to: inputs.prompt}\n" + "  - {from: lm.txt, to: outputs.text, stream: 3}\n",
+    )
     has(lines, f"{f}:21:25:", "an edge cannot end at inputs.prompt: pipeline inputs are sources")
     has(lines, f"{f}:22:15:", "has no output port 'txt'")
     has(lines, f"{f}:22:46:", "edges[6].stream must be a mapping, got number 3")

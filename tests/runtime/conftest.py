@@ -39,6 +39,7 @@ edges:
   - {{from: loading.y, to: outputs.y}}
 """
 
+
 SMALL_YAML = """
 name: sleepy
 inputs: {x: tensor}

@@ -34,8 +34,9 @@ def _probe(mode: str) -> dict:
         # glibc's starting threshold, pinned: its dynamic raise depends on the order of earlier
         # frees, so the unpinned default faults in some runs and not in others
         env["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env,
-                         check=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, env=env, check=True, timeout=120
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -22,7 +22,7 @@ def test_rechunker_matches_reference_for_any_arrival_pattern():
         for pieces in ([23], [1] * 23, [4, 4, 4, 4, 4, 3], [10, 0, 13], [7, 16]):
             rc = Rechunker(StreamSpec(chunk=chunk, left_context=left))
             got, pos = [], 0
-            for i, n in enumerate(pieces):
+            for n in pieces:
                 got += rc.push(full[pos : pos + n], True, False)
                 pos += n
             got += rc.push(None, False, True)

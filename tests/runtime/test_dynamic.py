@@ -43,8 +43,9 @@ class StreamDoubler(Doubler):
 
 
 def engine(cls=Doubler, **batching):
-    ctx = StageContext("d", "doubler", None, None, None, torch.device("cpu"), torch.float32,
-                       BatchingSpec(**batching), {})
+    ctx = StageContext(
+        "d", "doubler", None, None, None, torch.device("cpu"), torch.float32, BatchingSpec(**batching), {}
+    )
     return cls(ctx)
 
 

@@ -1,6 +1,5 @@
 """Start-up failures are reported clearly and leave nothing running."""
 
-import os
 import multiprocessing
 
 import pytest

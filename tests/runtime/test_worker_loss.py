@@ -115,7 +115,9 @@ def test_dead_workers_leak_no_permit_and_no_shared_memory(loss):
     def files_by_owner():
         owners: dict[str, list[str]] = {}
         for name in _segments(loss.shm_prefix):
-            owner = "parent" if "-parent-" in name else next((s for s, pid in pids.items() if f"-{pid}-" in name), "dead")
+            owner = (
+                "parent" if "-parent-" in name else next((s for s, pid in pids.items() if f"-{pid}-" in name), "dead")
+            )
             owners.setdefault(owner, []).append(name)
         return owners
 

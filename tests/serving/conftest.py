@@ -35,7 +35,7 @@ def process_parents() -> dict[int, int]:
         except OSError:
             continue
         # the command name (field 2) may hold spaces: split after its closing parenthesis
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z":
             parents[int(entry)] = int(fields[1])
     return parents
@@ -122,8 +122,13 @@ def start_server(args: list[str], log_path: Path, port: int | None = None) -> Se
     port = port or free_port()
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     log = open(log_path, "wb")
-    proc = subprocess.Popen([str(OMNISTAGE), "serve", *args, "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=log_path.parent)
+    proc = subprocess.Popen(
+        [str(OMNISTAGE), "serve", *args, "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=log_path.parent,
+    )
     log.close()
     return ServerProcess(proc, port, log_path)
 
@@ -133,8 +138,16 @@ def slow_server(tmp_path_factory):
     """tests/serving/slow-scale.yaml served with its first stage sleeping 0.2 s per call
     (requests may ask for longer with params {"slow": {"delay_s": ...}})."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    server = start_server([str(HERE / "slow-scale.yaml"), "--drain-timeout", "30",
-                           "--set", "slow-scale:stages.slow.params.kwargs.delay_s=0.2"], log_path)
+    server = start_server(
+        [
+            str(HERE / "slow-scale.yaml"),
+            "--drain-timeout",
+            "30",
+            "--set",
+            "slow-scale:stages.slow.params.kwargs.delay_s=0.2",
+        ],
+        log_path,
+    )
     try:
         server.wait_ready()
         yield server

@@ -5,8 +5,7 @@ from fastapi import APIRouter
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from omnistage.errors import (DeadlineExceededError, InvalidRequestError, OverloadedError,
-                              StageError, WorkerDiedError)
+from omnistage.errors import DeadlineExceededError, InvalidRequestError, OverloadedError, StageError, WorkerDiedError
 from omnistage.serving.app import create_app
 from omnistage.serving.registry import PipelineRegistry
 
@@ -28,11 +27,14 @@ def _app():
     async def chat(body: ChatBody):
         return {"ok": True}
 
-    errors = {"invalid": InvalidRequestError("temperature must be >= 0", param="temperature"),
-              "overloaded": OverloadedError("intake queue full"),
-              "deadline": DeadlineExceededError("too slow"),
-              "stage": StageError("llm", "boom"), "died": WorkerDiedError("vae", "killed"),
-              "bug": RuntimeError("unexpected")}
+    errors = {
+        "invalid": InvalidRequestError("temperature must be >= 0", param="temperature"),
+        "overloaded": OverloadedError("intake queue full"),
+        "deadline": DeadlineExceededError("too slow"),
+        "stage": StageError("llm", "boom"),
+        "died": WorkerDiedError("vae", "killed"),
+        "bug": RuntimeError("unexpected"),
+    }
 
     @router.get("/v1/test/raise/{which}")
     async def raise_(which: str):
@@ -50,12 +52,14 @@ def test_nested_validation_error_names_the_field():
 
 
 def test_omnistage_errors_map_by_status_and_code():
-    expected = {"invalid": (400, "invalid_request_error", "invalid_request_error"),
-                "overloaded": (503, "server_error", "overloaded"),
-                "deadline": (504, "server_error", "deadline_exceeded"),
-                "stage": (500, "server_error", "stage_error"),
-                "died": (500, "server_error", "worker_died"),
-                "bug": (500, "server_error", "internal_error")}
+    expected = {
+        "invalid": (400, "invalid_request_error", "invalid_request_error"),
+        "overloaded": (503, "server_error", "overloaded"),
+        "deadline": (504, "server_error", "deadline_exceeded"),
+        "stage": (500, "server_error", "stage_error"),
+        "died": (500, "server_error", "worker_died"),
+        "bug": (500, "server_error", "internal_error"),
+    }
     with TestClient(_app(), raise_server_exceptions=False) as client:
         for which, (status, type_, code) in expected.items():
             r = client.get(f"/v1/test/raise/{which}")

@@ -17,8 +17,7 @@ import torch
 from openai._streaming import SSEDecoder
 from prometheus_client.parser import text_string_to_metric_families
 
-from omnistage.tests.serving.conftest import (alive, cmdline, descendants, shm_segments_of,
-                                              start_server)
+from omnistage.tests.serving.conftest import alive, cmdline, descendants, shm_segments_of, start_server
 from omnistage.tests.serving.slow_module import SlowScale
 
 MODEL = "slow-scale"
@@ -78,16 +77,16 @@ def test_official_openai_client_reads_models_and_errors(slow_server):
 
 def test_run_matches_in_process_reference(slow_server):
     x = [0.5, -1.0, 3.25]
-    r = httpx.post(f"{slow_server.url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": x}},
-                   timeout=30)
+    r = httpx.post(f"{slow_server.url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": x}}, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["outputs"]["y"] == pytest.approx(_reference(x))
 
 
 def test_streamed_run_is_sse(slow_server):
     x = [1.0, 2.0]
-    with httpx.stream("POST", f"{slow_server.url}/v1/pipelines/{MODEL}/run",
-                      json={"inputs": {"x": x}, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST", f"{slow_server.url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": x}, "stream": True}, timeout=30
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = list(SSEDecoder().iter_bytes(r.iter_bytes()))
@@ -103,30 +102,35 @@ def test_errors_are_openai_json(slow_server):
     err = _assert_openai_error(httpx.get(f"{url}/no/such/route"), 404, "not_found")
     assert err["type"] == "invalid_request_error"
     err = _assert_openai_error(
-        httpx.post(f"{url}/v1/pipelines/nope/run", json={"inputs": {"x": [1.0]}}), 404,
-        "model_not_found")
+        httpx.post(f"{url}/v1/pipelines/nope/run", json={"inputs": {"x": [1.0]}}), 404, "model_not_found"
+    )
     assert err["param"] == "model" and MODEL in err["message"]
     err = _assert_openai_error(httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"x": 1}), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == "inputs"
-    _assert_openai_error(httpx.post(f"{url}/v1/pipelines/{MODEL}/run", content=b"{not json",
-                                    headers={"content-type": "application/json"}), 400)
-    err = _assert_openai_error(
-        httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": "abc"}}), 400)
+    _assert_openai_error(
+        httpx.post(
+            f"{url}/v1/pipelines/{MODEL}/run", content=b"{not json", headers={"content-type": "application/json"}
+        ),
+        400,
+    )
+    err = _assert_openai_error(httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": "abc"}}), 400)
     assert err["param"] == "inputs.x"
     _assert_openai_error(httpx.delete(f"{url}/v1/models"), 405)
 
 
 def test_stage_failures_map_to_http_statuses(slow_server):
     url = f"{slow_server.url}/v1/pipelines/{MODEL}/run"
-    err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [-5000.0]}}, timeout=30),
-                               400)
+    err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [-5000.0]}}, timeout=30), 400)
     assert err["type"] == "invalid_request_error" and ">=" in err["message"]
-    err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [5e6]}}, timeout=30), 500,
-                               "stage_error")
+    err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [5e6]}}, timeout=30), 500, "stage_error")
     assert err["type"] == "server_error" and "slow" in err["message"]
-    _assert_openai_error(httpx.post(url, json={"inputs": {"x": [1.0]}, "timeout": 0.3,
-                                               "params": {"slow": {"delay_s": 1.5}}},
-                                    timeout=30), 504, "deadline_exceeded")
+    _assert_openai_error(
+        httpx.post(
+            url, json={"inputs": {"x": [1.0]}, "timeout": 0.3, "params": {"slow": {"delay_s": 1.5}}}, timeout=30
+        ),
+        504,
+        "deadline_exceeded",
+    )
 
 
 def test_full_intake_queue_rejects_at_once(slow_server):
@@ -134,8 +138,7 @@ def test_full_intake_queue_rejects_at_once(slow_server):
     statuses: list[int] = []
 
     def call():
-        statuses.append(httpx.post(url, json={"inputs": {"x": [1.0]}, **SLOW}, timeout=30)
-                        .status_code)
+        statuses.append(httpx.post(url, json={"inputs": {"x": [1.0]}, **SLOW}, timeout=30).status_code)
 
     # max_queued_requests is 2 and each request holds the slow stage for 2 s.
     threads = [threading.Thread(target=call) for _ in range(2)]
@@ -166,37 +169,57 @@ def test_metrics_parse_as_prometheus_text(slow_server):
     text = httpx.get(f"{slow_server.url}/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     requests = families["omnistage_http_requests"]
-    runs = [s for s in requests.samples if s.name == "omnistage_http_requests_total"
-            and s.labels["route"] == "/v1/pipelines/{name}/run" and s.labels["status"] == "200"]
+    runs = [
+        s
+        for s in requests.samples
+        if s.name == "omnistage_http_requests_total"
+        and s.labels["route"] == "/v1/pipelines/{name}/run"
+        and s.labels["status"] == "200"
+    ]
     assert runs and sum(s.value for s in runs) >= 2  # the runs above
-    unmatched = [s for s in requests.samples if s.name == "omnistage_http_requests_total"
-                 and s.labels["route"] == "unmatched" and s.labels["status"] == "404"]
+    unmatched = [
+        s
+        for s in requests.samples
+        if s.name == "omnistage_http_requests_total"
+        and s.labels["route"] == "unmatched"
+        and s.labels["status"] == "404"
+    ]
     assert unmatched, "the unknown route above is counted under a bounded label"
     assert families["omnistage_ready"].samples[0].value == 1.0
     # The runtime's per-stage series, labelled with this pipeline and both its stages.
-    for family in ("omnistage_stage_queue_depth", "omnistage_stage_batch_size",
-                   "omnistage_stage_step_seconds", "omnistage_stage_inflight_requests"):
-        stages = {s.labels["stage"] for s in families[family].samples
-                  if s.labels.get("pipeline") == MODEL}
+    for family in (
+        "omnistage_stage_queue_depth",
+        "omnistage_stage_batch_size",
+        "omnistage_stage_step_seconds",
+        "omnistage_stage_inflight_requests",
+    ):
+        stages = {s.labels["stage"] for s in families[family].samples if s.labels.get("pipeline") == MODEL}
         assert stages == {"slow", "add"}, (family, stages)
-    steps = [s for s in families["omnistage_stage_step_seconds"].samples
-             if s.name == "omnistage_stage_step_seconds_count" and s.labels["stage"] == "slow"]
+    steps = [
+        s
+        for s in families["omnistage_stage_step_seconds"].samples
+        if s.name == "omnistage_stage_step_seconds_count" and s.labels["stage"] == "slow"
+    ]
     assert steps and steps[0].value >= 2  # the slow stage ran the requests above
 
 
 def _pipeline_outcome(url: str, outcome: str) -> float:
     families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
-    return sum(s.value for f in families for s in f.samples
-               if s.name == "omnistage_pipeline_requests_total"
-               and s.labels.get("pipeline") == MODEL and s.labels.get("outcome") == outcome)
+    return sum(
+        s.value
+        for f in families
+        for s in f.samples
+        if s.name == "omnistage_pipeline_requests_total"
+        and s.labels.get("pipeline") == MODEL
+        and s.labels.get("outcome") == outcome
+    )
 
 
 def test_client_disconnect_cancels_the_pipeline_request(slow_server):
     url = slow_server.url
     before = _pipeline_outcome(url, "cancelled")
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the slow stage runs
-        httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [1.0]}, **SLOW},
-                   timeout=0.5)
+        httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [1.0]}, **SLOW}, timeout=0.5)
     deadline = time.monotonic() + 10
     while _pipeline_outcome(url, "cancelled") <= before:
         assert time.monotonic() < deadline, "the abandoned request was never cancelled"
@@ -212,9 +235,11 @@ def test_sigterm_drains_inflight_then_exits_clean(slow_server):
 
     def slow_request():
         try:
-            r = httpx.post(f"{url}/v1/pipelines/{MODEL}/run",
-                           json={"inputs": {"x": [4.0]}, "params": {"slow": {"delay_s": 4.0}}},
-                           timeout=60)
+            r = httpx.post(
+                f"{url}/v1/pipelines/{MODEL}/run",
+                json={"inputs": {"x": [4.0]}, "params": {"slow": {"delay_s": 4.0}}},
+                timeout=60,
+            )
             result["status"], result["body"] = r.status_code, r.json()
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             result["error"] = repr(exc)
@@ -236,8 +261,7 @@ def test_sigterm_drains_inflight_then_exits_clean(slow_server):
     refused = None
     while worker.is_alive() and time.monotonic() - sent < 10:
         try:
-            refused = httpx.post(f"{url}/v1/pipelines/{MODEL}/run",
-                                 json={"inputs": {"x": [1.0]}}, timeout=5)
+            refused = httpx.post(f"{url}/v1/pipelines/{MODEL}/run", json={"inputs": {"x": [1.0]}}, timeout=5)
             break
         except httpx.TransportError:
             time.sleep(0.02)
@@ -268,4 +292,3 @@ def test_invalid_config_exits_2_before_serving(tmp_path):
     server = start_server([str(bad)], tmp_path / "bad.log")
     assert server.proc.wait(60) == 2
     assert f"{bad}:4:" in server.log()
-

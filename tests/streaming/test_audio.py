@@ -41,7 +41,7 @@ def test_vocoder_shaped_batch_of_one_is_mono():
 
 def test_streamed_header_plus_pcm_chunks_decodes():
     x = np.random.default_rng(1).uniform(-1, 1, 3000).astype(np.float32)
-    stream = wav_stream_header(22050) + b"".join(to_pcm16(x[i:i + 700]) for i in range(0, 3000, 700))
+    stream = wav_stream_header(22050) + b"".join(to_pcm16(x[i : i + 700]) for i in range(0, 3000, 700))
     data, sr = sf.read(io.BytesIO(stream), dtype="int16")
     assert sr == 22050
     np.testing.assert_array_equal(data, _expected_pcm16(x))
@@ -69,10 +69,10 @@ def _decode_any(data: bytes) -> tuple[np.ndarray, int, str]:
 def _aligned_snr_db(decoded: np.ndarray, reference: np.ndarray, max_lag: int = 4096) -> float:
     # Codecs add priming/delay samples: find the lag that lines the decoded signal up best.
     n = len(reference) - 2 * max_lag
-    core = reference[max_lag:max_lag + n]
+    core = reference[max_lag : max_lag + n]
     best = -np.inf
     for lag in range(0, 2 * max_lag + 1, 1):
-        seg = decoded[lag:lag + n]
+        seg = decoded[lag : lag + n]
         if len(seg) < n:
             break
         noise = np.sum((seg - core) ** 2)
@@ -99,8 +99,7 @@ def test_flac_stereo_keeps_channels_apart():
     np.testing.assert_array_equal(data, _expected_pcm16(x.T))
 
 
-@pytest.mark.parametrize("fmt,codec,min_snr_db", [("mp3", "mp3", 20.0), ("aac", "aac", 20.0),
-                                                  ("opus", "opus", 15.0)])
+@pytest.mark.parametrize("fmt,codec,min_snr_db", [("mp3", "mp3", 20.0), ("aac", "aac", 20.0), ("opus", "opus", 15.0)])
 def test_lossy_formats_decode_close_to_input(fmt, codec, min_snr_db):
     sr = 24000
     x = _tones(sr)

@@ -62,8 +62,9 @@ def test_bfloat16_batch_of_one():
     np.testing.assert_array_equal(back, expected)
 
 
-@pytest.mark.parametrize("fmt,pil_name,min_psnr", [("jpeg", "JPEG", 35.0), ("jpg", "JPEG", 35.0),
-                                                   ("webp", "WEBP", 35.0)])
+@pytest.mark.parametrize(
+    "fmt,pil_name,min_psnr", [("jpeg", "JPEG", 35.0), ("jpg", "JPEG", 35.0), ("webp", "WEBP", 35.0)]
+)
 def test_lossy_formats_stay_close(fmt, pil_name, min_psnr):
     img = _smooth_rgb()
     decoded_fmt, back = _decode(encode_image(img, fmt))

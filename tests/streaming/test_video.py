@@ -68,7 +68,7 @@ def test_odd_sizes_pad_or_error():
 def test_fragmented_muxer_yields_playable_prefixes():
     clip = _clip(t=12)
     muxer = FragmentedMP4Muxer(fps=8)
-    parts = [muxer.push(clip[i:i + 4]) for i in range(0, 12, 4)]
+    parts = [muxer.push(clip[i : i + 4]) for i in range(0, 12, 4)]
     parts.append(muxer.close())
     assert all(parts), [len(p) for p in parts]
     # After chunk k+1 was pushed, the bytes so far decode to at least the first k chunks.
@@ -83,7 +83,7 @@ def test_fragmented_muxer_yields_playable_prefixes():
 
 def test_stream_mp4_generator_and_size_change():
     clip = _clip(t=8)
-    data = b"".join(stream_mp4((clip[i:i + 2] for i in range(0, 8, 2)), fps=4))
+    data = b"".join(stream_mp4((clip[i : i + 2] for i in range(0, 8, 2)), fps=4))
     frames, _ = _decode(data)
     assert len(frames) == 8
     muxer = FragmentedMP4Muxer()

@@ -42,8 +42,20 @@ def wan_reference(tiny_wan_dir):
     return pipe
 
 
-def reference_frames(pipe, *, prompt, negative_prompt=None, height, width, num_frames, steps, seed,
-                     guidance_scale=5.0, max_sequence_length=64, n=1):
+def reference_frames(
+    pipe,
+    *,
+    prompt,
+    negative_prompt=None,
+    height,
+    width,
+    num_frames,
+    steps,
+    seed,
+    guidance_scale=5.0,
+    max_sequence_length=64,
+    n=1,
+):
     """[n, F, H, W, 3] float frames in [0, 1] from diffusers."""
     out = pipe(
         prompt,

@@ -17,8 +17,15 @@ from .conftest import reference_frames
 MSL = 64
 REQUESTS = [
     dict(prompt="a cat walks on the grass", seed=11, num_inference_steps=4, height=32, width=32, num_frames=9),
-    dict(prompt="a dog runs along the beach", seed=12, num_inference_steps=6, height=32, width=32, num_frames=9,
-         negative_prompt="blurry, low quality"),
+    dict(
+        prompt="a dog runs along the beach",
+        seed=12,
+        num_inference_steps=6,
+        height=32,
+        width=32,
+        num_frames=9,
+        negative_prompt="blurry, low quality",
+    ),
     dict(prompt="snow falls on a quiet forest", seed=13, num_inference_steps=3, height=48, width=32, num_frames=5),
 ]
 
@@ -46,9 +53,15 @@ def test_concurrent_requests_equal_diffusers(video_pipeline, wan_reference):
         frames = out["video"]
         assert frames.shape == (raw["num_frames"], raw["height"], raw["width"], 3)
         ref = reference_frames(
-            wan_reference, prompt=raw["prompt"], negative_prompt=raw.get("negative_prompt"),
-            height=raw["height"], width=raw["width"], num_frames=raw["num_frames"],
-            steps=raw["num_inference_steps"], seed=raw["seed"], max_sequence_length=MSL,
+            wan_reference,
+            prompt=raw["prompt"],
+            negative_prompt=raw.get("negative_prompt"),
+            height=raw["height"],
+            width=raw["width"],
+            num_frames=raw["num_frames"],
+            steps=raw["num_inference_steps"],
+            seed=raw["seed"],
+            max_sequence_length=MSL,
         )[0]
         assert (frames - ref).abs().max().item() < 1e-3
 
@@ -58,8 +71,9 @@ def test_frames_stream_in_temporal_chunks_and_mp4_decodes(video_pipeline, wan_re
 
     from omnistage.streaming.video import encode_mp4
 
-    raw = dict(prompt="waves crash against the rocks", seed=21, num_inference_steps=3, height=32, width=32,
-               num_frames=13)
+    raw = dict(
+        prompt="waves crash against the rocks", seed=21, num_inference_steps=3, height=32, width=32, num_frames=13
+    )
 
     async def collect():
         events = []
@@ -74,7 +88,13 @@ def test_frames_stream_in_temporal_chunks_and_mp4_decodes(video_pipeline, wan_re
     assert [c.shape[0] for c in video_chunks] == [1, 4, 4, 4]  # first frame leaves first
     frames = torch.cat(video_chunks)
     ref = reference_frames(
-        wan_reference, prompt=raw["prompt"], height=32, width=32, num_frames=13, steps=3, seed=21,
+        wan_reference,
+        prompt=raw["prompt"],
+        height=32,
+        width=32,
+        num_frames=13,
+        steps=3,
+        seed=21,
         max_sequence_length=MSL,
     )[0]
     assert (frames - ref).abs().max().item() < 1e-3

@@ -14,9 +14,14 @@ def small_vae():
 
     torch.manual_seed(0)
     return AutoencoderKL(
-        in_channels=3, out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=4,
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
         sample_size=32,
     ).eval()
 

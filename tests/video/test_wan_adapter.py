@@ -12,8 +12,15 @@ from .conftest import load_wan_components, reference_frames
 
 REQUESTS = [
     dict(prompt="a cat walks on the grass", seed=1, num_inference_steps=3, height=32, width=32, num_frames=9),
-    dict(prompt="a dog runs along the beach", negative_prompt="blurry", seed=2, num_inference_steps=5,
-         height=32, width=32, num_frames=9),
+    dict(
+        prompt="a dog runs along the beach",
+        negative_prompt="blurry",
+        seed=2,
+        num_inference_steps=5,
+        height=32,
+        width=32,
+        num_frames=9,
+    ),
     dict(prompt="waves crash", seed=3, num_inference_steps=4, height=32, width=48, num_frames=5, guidance_scale=1.0),
 ]
 
@@ -60,9 +67,15 @@ def run_and_compare(comps, wan_reference):
         at_once = vae.decode_batch(latents)[0]
         assert torch.equal(frames, at_once)
         ref = reference_frames(
-            wan_reference, prompt=raw["prompt"], negative_prompt=raw.get("negative_prompt"),
-            height=raw["height"], width=raw["width"], num_frames=raw["num_frames"],
-            steps=raw["num_inference_steps"], seed=raw["seed"], guidance_scale=raw.get("guidance_scale", 5.0),
+            wan_reference,
+            prompt=raw["prompt"],
+            negative_prompt=raw.get("negative_prompt"),
+            height=raw["height"],
+            width=raw["width"],
+            num_frames=raw["num_frames"],
+            steps=raw["num_inference_steps"],
+            seed=raw["seed"],
+            guidance_scale=raw.get("guidance_scale", 5.0),
         )[0]
         assert frames.shape == (raw["num_frames"], raw["height"], raw["width"], 3)
         assert (frames - ref).abs().max().item() < 1e-3

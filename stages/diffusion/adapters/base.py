@@ -28,12 +28,14 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Hashable, Iterator
+from typing import Any, ClassVar
 
 import torch
 
 from omnistage.errors import InvalidRequestError
+
 
 class ComponentLoading:
     """Hook shared by the three adapter kinds: load a component the generic way or not."""
@@ -103,8 +105,7 @@ class GenerationParams:
             types = _PARAM_TYPES[key]
             if isinstance(value, bool) or not isinstance(value, types):  # bool is an int: refuse it
                 raise InvalidRequestError(
-                    f"{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
-                    f"got {value!r}",
+                    f"{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, got {value!r}",
                     param=key,
                 )
             known[key] = value
@@ -317,7 +318,9 @@ class DenoiserAdapter(ComponentLoading):
     def step(self, state: DenoiseState, model_output: torch.Tensor) -> None:
         """Advance one request by one sampler step with its own scheduler."""
         kwargs = {"generator": state.generator} if _step_takes_generator(state.scheduler) else {}
-        state.latents = state.scheduler.step(model_output, state.timestep, state.latents, return_dict=False, **kwargs)[0]
+        state.latents = state.scheduler.step(model_output, state.timestep, state.latents, return_dict=False, **kwargs)[
+            0
+        ]
         state.step_index += 1
 
     # -- helpers for subclasses -----------------------------------------------------------

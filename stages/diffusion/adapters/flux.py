@@ -21,7 +21,14 @@ from omnistage.stages.diffusion.adapters.base import (
     GenerationParams,
     TextEncoderAdapter,
 )
-from omnistage.stages.diffusion.adapters.sd3 import KLVae, clip_encode, merge_warnings, repeat_rows, t5_encode, vae_scale_factor
+from omnistage.stages.diffusion.adapters.sd3 import (
+    KLVae,
+    clip_encode,
+    merge_warnings,
+    repeat_rows,
+    t5_encode,
+    vae_scale_factor,
+)
 
 DEFAULT_GUIDANCE = 3.5
 DEFAULT_STEPS = 28
@@ -109,8 +116,11 @@ class FluxDenoiser(DenoiserAdapter):
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         mu = calculate_shift(
-            seq, sconf.get("base_image_seq_len", 256), sconf.get("max_image_seq_len", 4096),
-            sconf.get("base_shift", 0.5), sconf.get("max_shift", 1.15),
+            seq,
+            sconf.get("base_image_seq_len", 256),
+            sconf.get("max_image_seq_len", 4096),
+            sconf.get("base_shift", 0.5),
+            sconf.get("max_shift", 1.15),
         )
         scheduler = self.new_scheduler(steps, sigmas=sigmas, mu=mu)
         embeds = text.embeds.to(self.device, self.dtype)

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from omnistage.errors import InvalidRequestError
 from omnistage.stages.diffusion.adapters.base import (
     DenoiserAdapter,
     DenoiseState,
@@ -60,7 +59,9 @@ def merge_warnings(*per_encoder: list[list[str]]) -> list[list[str]]:
 
 def clip_encode(tokenizer, encoder, prompts: list[str], device, hidden_state: bool):
     max_length = tokenizer.model_max_length
-    ids = tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt").input_ids
+    ids = tokenizer(
+        prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+    ).input_ids
     warnings = truncation_warnings(tokenizer, prompts, max_length, type(encoder).__name__)
     out = encoder(ids.to(device), output_hidden_states=hidden_state)
     return out, warnings
@@ -68,8 +69,12 @@ def clip_encode(tokenizer, encoder, prompts: list[str], device, hidden_state: bo
 
 def t5_encode(tokenizer, encoder, prompts: list[str], max_sequence_length: int, device):
     ids = tokenizer(
-        prompts, padding="max_length", max_length=max_sequence_length, truncation=True,
-        add_special_tokens=True, return_tensors="pt",
+        prompts,
+        padding="max_length",
+        max_length=max_sequence_length,
+        truncation=True,
+        add_special_tokens=True,
+        return_tensors="pt",
     ).input_ids
     warnings = truncation_warnings(tokenizer, prompts, max_sequence_length, "T5 (max_sequence_length)")
     return encoder(ids.to(device))[0], warnings
@@ -157,8 +162,11 @@ class SD3Denoiser(DenoiserAdapter):
 
             seq = (lh // self.patch_size) * (lw // self.patch_size)
             kwargs["mu"] = calculate_shift(
-                seq, sconf.get("base_image_seq_len", 256), sconf.get("max_image_seq_len", 4096),
-                sconf.get("base_shift", 0.5), sconf.get("max_shift", 1.16),
+                seq,
+                sconf.get("base_image_seq_len", 256),
+                sconf.get("max_image_seq_len", 4096),
+                sconf.get("base_shift", 0.5),
+                sconf.get("max_shift", 1.16),
             )
         scheduler = self.new_scheduler(steps, **kwargs)
         ehs = self.cfg_rows(text, n, do_cfg, "embeds")

@@ -14,7 +14,8 @@ Matches diffusers' WanPipeline (same seed -> same frames):
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable, Iterator
+from collections.abc import Hashable, Iterator
+from typing import Any
 
 import torch
 
@@ -283,8 +284,10 @@ class WanVae(VaeAdapter):
             tile = options.get("tile_sample_size")
             stride = options.get("tile_sample_stride")
             self.vae.enable_tiling(
-                tile_sample_min_height=tile, tile_sample_min_width=tile,
-                tile_sample_stride_height=stride, tile_sample_stride_width=stride,
+                tile_sample_min_height=tile,
+                tile_sample_min_width=tile,
+                tile_sample_stride_height=stride,
+                tile_sample_stride_width=stride,
             )
 
     def batch_key(self, latents: torch.Tensor, params: GenerationParams) -> Hashable | None:
