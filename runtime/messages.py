@@ -97,6 +97,7 @@ class Emit:
     error: str | None = None
     error_kind: str = "internal"
     progress: tuple[int, int] | None = None
+    param: str | None = None  # the request parameter an invalid_request error names
 
 
 @dataclass(slots=True)

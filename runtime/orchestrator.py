@@ -533,7 +533,7 @@ class Orchestrator:
                 for slot in range(len(port_edges.get(port, ()))):
                     release_all(payload, self._reader, slot)
             if msg.error_kind == "invalid_request":
-                self._finish(req, InvalidRequestError(f"stage {stage!r}: {msg.error}"), "invalid")
+                self._finish(req, InvalidRequestError(f"stage {stage!r}: {msg.error}", param=msg.param), "invalid")
             else:
                 self._finish(req, StageError(stage, msg.error), "error")
             return

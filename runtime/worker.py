@@ -375,7 +375,7 @@ class Worker:
                     if edges:
                         outputs[port] = encode(value, self.pool, len(edges))
             finished = em.finished or em.error is not None
-            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress))
+            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param))
         if not emits:
             return
         self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))

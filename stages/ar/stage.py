@@ -165,7 +165,9 @@ class ARLMStage(StageEngine):
         except InvalidRequestError as err:
             self._live.pop(request.request_id, None)
             self._pending.append(
-                Emission(request.request_id, finished=True, error=str(err), error_kind="invalid_request")
+                Emission(
+                    request.request_id, finished=True, error=str(err), error_kind="invalid_request", param=err.param
+                )
             )
 
     def abort(self, request_id: str) -> None:

@@ -90,7 +90,9 @@ class DenoiserStage(StageEngine):
                 raise ValueError(f"request {rid!r} is already denoising")
             state = self.adapter.prepare(rid, params, text)
         except InvalidRequestError as exc:
-            self._errors.append(Emission(rid, error=str(exc), error_kind="invalid_request", finished=True))
+            self._errors.append(
+                Emission(rid, error=str(exc), error_kind="invalid_request", finished=True, param=exc.param)
+            )
             return
         except Exception as exc:  # noqa: BLE001
             self._errors.append(Emission(rid, error=f"{type(exc).__name__}: {exc}", finished=True))
