@@ -31,6 +31,8 @@ RECIPE_MODULES: dict[str, str] = {
     "tiny-sd3": "omnistage.models.tiny_diffusion",
     "tiny-flux": "omnistage.models.tiny_diffusion",
     "tiny-wan": "omnistage.models.tiny_wan",
+    "qwen2_5_omni": "omnistage.models.tiny_omni",
+    "qwen2_5_omni-gqa": "omnistage.models.tiny_omni",
 }
 
 _RECIPES: dict[str, tuple[RecipeBuilder, str]] = {}
