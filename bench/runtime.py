@@ -189,6 +189,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
 
         bar = tqdm(total=runs * 4, desc="bench runtime", disable=not progress, file=sys.stderr)
         hop_p50, hop_p99, pipe_p50, gbps, g4, ref_copy = [], [], [], [], [], []
+        hop_samples, pipe_samples = [], []  # every run's samples, for the histogram
         expected_sum = float(BigProducer(mib).buf.sum())
         for _ in range(runs):
             hop = pipes["hop"]
@@ -200,8 +201,11 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
                 time.sleep(0.001)  # receiver idle when the next message comes
             hop_p50.append(_pct(samples, 0.5))
             hop_p99.append(_pct(samples, 0.99))
+            hop_samples += samples
             bar.update()
-            pipe_p50.append(_pct(pipe_hop_us(hops_per_run), 0.5))
+            pipe = pipe_hop_us(hops_per_run)
+            pipe_p50.append(_pct(pipe, 0.5))
+            pipe_samples += pipe
             bar.update()
             big = pipes["big"]
             big.run({"x": 0})  # warm-up: segments allocated and mapped
@@ -250,6 +254,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
     for k, (op, bound) in TARGETS.items():
         meets[k] = figures[k] <= bound if op == "<=" else figures[k] >= bound
     return {
+        "bench": "runtime",
         **figures,
         "spread": spread,
         "reference": reference,
@@ -265,6 +270,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
             "torch_threads_per_worker": 1,
             "start_method": "forkserver",
         },
+        "samples": {"hop_us": hop_samples, "pipe_hop_us": pipe_samples},
     }
 
 
@@ -275,15 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small smoke run (8 MiB, few samples)")
     ap.add_argument("--runs", type=int, default=3, help="runs per figure (median reported; >= 3)")
     ap.add_argument("--json", dest="json_path", help="write the results to this file")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the hop latency histogram into this PNG")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     result = run_bench(quick=args.quick, runs=max(1, args.runs), progress=not args.no_progress)
     result["command"] = "omnistage bench runtime " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = json.dumps(result, indent=2)
     if args.json_path:
         with open(args.json_path, "w") as f:
-            f.write(text + "\n")
-    print(text)
+            f.write(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        from omnistage.bench.plot import plot_runtime
+
+        plot_runtime(result, args.plot)
+    summary = {k: v for k, v in result.items() if k != "samples"}  # the raw samples only go to --json
+    print(json.dumps(summary, indent=2))
     return 0
 
 

@@ -2,7 +2,26 @@
 
 import os
 
+import pytest
 import torch
 
 # Tests run many worker processes on a 2-core machine: keep the test process itself lean.
 torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "1")))
+
+
+@pytest.fixture
+def png_colors():
+    """Reads a PNG back with Pillow: checks that it decodes and returns its set of RGB colours
+    (the benchmark plots are checked for the colour of every series they must draw)."""
+    from PIL import Image, ImageColor
+
+    def read(path) -> set[tuple[int, int, int]]:
+        with Image.open(path) as img:
+            img.verify()
+        with Image.open(path) as img:
+            assert img.format == "PNG" and img.width > 100 and img.height > 100
+            rgb = img.convert("RGB")
+            return {color for _, color in rgb.getcolors(maxcolors=rgb.width * rgb.height)}
+
+    read.rgb = ImageColor.getrgb
+    return read
