@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage.graph import fields as F
-from omnistage.graph.spec import PORT_TYPES
+from omnistage.stages.contracts import PORT_TYPES
 
 _ENV_REF = {
     "type": "string",

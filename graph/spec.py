@@ -15,20 +15,6 @@ from typing import Any
 PIPELINE_INPUTS = "inputs"
 PIPELINE_OUTPUTS = "outputs"
 
-PORT_TYPES = (
-    "text",
-    "tokens",
-    "audio",
-    "image",
-    "video",
-    "embeddings",
-    "hidden_states",
-    "latents",
-    "tensor",
-    "json",
-    "any",
-)
-
 BATCHING_POLICIES = ("dynamic", "continuous", "step", "none")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -150,11 +136,29 @@ class PipelineSpec:
     max_queued_requests: int = 256
     default_deadline_s: float | None = None
 
+    # Edge queries: the runtime keys edge permits and reader slots by an edge's index in
+    # `edges`, so the index forms are the primary ones.
+    def in_edge_ids(self, stage: str) -> list[int]:
+        """Indices (in `edges`) of the edges into `stage` (or PIPELINE_OUTPUTS)."""
+        return [i for i, e in enumerate(self.edges) if e.dst.stage == stage]
+
+    def out_edge_ids(self, stage: str) -> list[int]:
+        """Indices (in `edges`) of the edges out of `stage` (or PIPELINE_INPUTS)."""
+        return [i for i, e in enumerate(self.edges) if e.src.stage == stage]
+
+    def out_edge_ids_by_port(self, stage: str) -> dict[str, list[int]]:
+        """Output port of `stage` -> indices of its out-edges in file order (a port's i-th
+        edge reads the shared payload with reader slot i)."""
+        out: dict[str, list[int]] = {}
+        for i in self.out_edge_ids(stage):
+            out.setdefault(self.edges[i].src.port, []).append(i)
+        return out
+
     def in_edges(self, stage: str) -> list[EdgeSpec]:
-        return [e for e in self.edges if e.dst.stage == stage]
+        return [self.edges[i] for i in self.in_edge_ids(stage)]
 
     def out_edges(self, stage: str) -> list[EdgeSpec]:
-        return [e for e in self.edges if e.src.stage == stage]
+        return [self.edges[i] for i in self.out_edge_ids(stage)]
 
     def topo_order(self) -> list[str]:
         """Stage names in dependency order (the loader has already rejected cycles)."""

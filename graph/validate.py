@@ -8,9 +8,10 @@ from pathlib import Path
 from omnistage.graph import fields as F
 from omnistage.graph.checks import Report, did_you_mean
 from omnistage.graph.nodes import MapNode, Node, Problem, ScalarNode, broken_positions, describe
-from omnistage.graph.spec import PORT_TYPES, PipelineSpec, SourcePos
+from omnistage.graph.spec import PipelineSpec, SourcePos
 from omnistage.graph.stages_check import StageInfo, check_stage
 from omnistage.graph.wiring import PipelinePorts, check_edges, check_wiring
+from omnistage.stages.contracts import PORT_TYPES
 
 
 def build_spec(root: Node, file: str, source: Path | None, problems: list[Problem]) -> PipelineSpec | None:

@@ -20,7 +20,7 @@ import torch
 from omnistage.graph.spec import StreamSpec
 from omnistage.runtime.messages import RequestMeta
 from omnistage.stages.base import StageRequest
-from omnistage.stages.dynamic import combine_chunks
+from omnistage.stages.contracts import combine_chunks
 
 
 def _seq_len(x: Any) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any
 from omnistage.errors import DeadlineExceededError
 from omnistage.graph.spec import PipelineSpec
 from omnistage.runtime.orchestrator import Orchestrator, OutputChunk, RequestEnd
-from omnistage.stages.dynamic import combine_chunks
+from omnistage.stages.contracts import combine_chunks
 
 __all__ = ["Pipeline", "OutputChunk"]
 

@@ -24,7 +24,7 @@ import torch
 class Port:
     """A typed input or output port of a stage kind.
 
-    type: one of omnistage.graph.spec.PORT_TYPES.
+    type: one of omnistage.stages.contracts.PORT_TYPES.
     streaming: on an input, the stage accepts chunks through `feed()` while the request runs
         (a streaming edge may only end at such a port); on an output, the stage may emit the
         port in several chunks (concatenated along dim 0 for non-streaming consumers).

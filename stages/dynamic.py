@@ -26,47 +26,8 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, StageContext, StageEngine, StageRequest, StepRecord
-
-
-def combine_chunks(chunks: list[Any]) -> Any:
-    """Concatenate the chunks of one port: tensors along dim 0, str/bytes joined, lists
-    extended, dicts merged key by key; a single chunk is returned as is."""
-    chunks = [c for c in chunks if c is not None]
-    if not chunks:
-        return None
-    if len(chunks) == 1:
-        return chunks[0]
-    first = chunks[0]
-    import torch
-
-    if isinstance(first, torch.Tensor):
-        parts = [c if c.dim() > 0 else c.reshape(1) for c in chunks]
-        return torch.cat(parts, dim=0)
-    if isinstance(first, str):
-        return "".join(chunks)
-    if isinstance(first, (bytes, bytearray)):
-        return b"".join(chunks)
-    if isinstance(first, (list, tuple)):
-        out: list[Any] = []
-        for c in chunks:
-            out.extend(c)
-        return out
-    if isinstance(first, dict):
-        keys: list[Any] = []
-        for c in chunks:
-            keys.extend(k for k in c if k not in keys)
-        return {k: combine_chunks([c[k] for c in chunks if k in c]) for k in keys}
-    return chunks[-1]
-
-
-def error_emission(request_id: str, exc: BaseException) -> Emission:
-    """The failure of one request: InvalidRequestError is the request's own fault (400, its
-    message as is); anything else is a stage failure (500, with the exception type)."""
-    if isinstance(exc, InvalidRequestError):
-        return Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request", param=exc.param)
-    return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind="internal")
+from omnistage.stages.contracts import combine_chunks, error_emission
 
 
 @dataclass

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from omnistage.graph.spec import PORT_TYPES
 from omnistage.stages.base import Emission, Port, StageContext, StageRequest, StepRecord
-from omnistage.stages.dynamic import DynamicBatchEngine, error_emission
+from omnistage.stages.contracts import PORT_TYPES, error_emission
+from omnistage.stages.dynamic import DynamicBatchEngine
 from omnistage.stages.registry import register_stage
 
 BATCH_MODES = ("none", "stack", "list")

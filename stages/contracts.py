@@ -1,0 +1,67 @@
+"""Contracts that both the stage engines and the runtime that moves their data rely on.
+
+This module sits beneath both: the graph validates port types against `PORT_TYPES`, engines
+and the runtime join a port's chunks with `combine_chunks`, and a failed request becomes an
+`Emission` through `error_emission` wherever it fails (inside an engine or in its worker).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Emission
+
+# The types a port (of a stage kind, or of a pipeline's inputs/outputs) may declare.
+PORT_TYPES = (
+    "text",
+    "tokens",
+    "audio",
+    "image",
+    "video",
+    "embeddings",
+    "hidden_states",
+    "latents",
+    "tensor",
+    "json",
+    "any",
+)
+
+
+def combine_chunks(chunks: list[Any]) -> Any:
+    """Concatenate the chunks of one port: tensors along dim 0, str/bytes joined, lists
+    extended, dicts merged key by key; a single chunk is returned as is."""
+    chunks = [c for c in chunks if c is not None]
+    if not chunks:
+        return None
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    import torch
+
+    if isinstance(first, torch.Tensor):
+        parts = [c if c.dim() > 0 else c.reshape(1) for c in chunks]
+        return torch.cat(parts, dim=0)
+    if isinstance(first, str):
+        return "".join(chunks)
+    if isinstance(first, (bytes, bytearray)):
+        return b"".join(chunks)
+    if isinstance(first, (list, tuple)):
+        out: list[Any] = []
+        for c in chunks:
+            out.extend(c)
+        return out
+    if isinstance(first, dict):
+        keys: list[Any] = []
+        for c in chunks:
+            keys.extend(k for k in c if k not in keys)
+        return {k: combine_chunks([c[k] for c in chunks if k in c]) for k in keys}
+    return chunks[-1]
+
+
+def error_emission(request_id: str, exc: BaseException) -> Emission:
+    """The failure of one request: InvalidRequestError is the request's own fault (400, its
+    message as is); anything else is a stage failure (500, with the exception type)."""
+    if isinstance(exc, InvalidRequestError):
+        return Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request", param=exc.param)
+    return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind="internal")
