@@ -1,6 +1,6 @@
 """`omnistage bench diffusion --json FILE [--quick]`: step-level batching against diffusers.
 
-Workloads (issue 4, "Benchmark"), all on the fixed SD3-architecture benchmark model
+Workloads, all on the fixed SD3-architecture benchmark model
 (bench/diffusion_model.py), float32, CPU, CFG (guidance 4.5), 77 CLIP + 77 T5 tokens:
 
 - saturation: 32 small (256x256) requests, steps uniform in 4..12, all submitted at once.
@@ -30,10 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# libgomp reads this when torch loads. With the default (spin before sleeping), OpenMP threads
-# on this shared 2-core machine burn ~3x the CPU of the work itself whenever anything else runs
-# (measured: docs/bench-diffusion.md). Every system here (this process and omnistage's
-# workers, which inherit the environment) gets the same passive setting.
+# libgomp reads this when torch loads. With the default (spin before sleeping), idle OpenMP
+# threads burn CPU that a busy neighbour needs (docs/bench-diffusion.md). Every system here
+# (this process and omnistage's workers, which inherit the environment) gets the same passive
+# setting.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _OMP_POLICY_APPLIED_HERE = "torch" not in sys.modules
 
@@ -68,8 +68,8 @@ SMALL, LARGE = 256, 512
 class BenchConfig:
     quick: bool = False
     threads: int = 2
-    # images per denoiser forward (x2 rows with CFG). 4 (8 rows) is the largest batch that
-    # does not lose per-row speed on this 2-core CPU (16 rows falls out of cache: slower per row)
+    # images per denoiser forward (x2 rows with CFG); the largest batch that keeps the
+    # per-row speed on a small CPU (docs/bench-diffusion.md, "Batch size on CPU")
     max_batch_size: int = 4
     saturation_requests: int = 32
     saturation_steps: tuple[int, int] = (4, 12)
@@ -316,7 +316,7 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
     pipe = start_omnistage(model_dir, cfg)
     try:
         warm_up(ref, pipe, cfg)
-        out: dict = {"config": _config_summary(cfg, model_dir)}
+        out: dict = {"bench": "diffusion", "config": _config_summary(cfg, model_dir)}
 
         # saturation
         sat_requests = saturation_requests(cfg)
@@ -350,7 +350,12 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
         traces = []
         for k in range(cfg.mixed_traces):
             trace = mixed_trace(cfg, cap["arrival_rate_rps"], seed=100 + k)
-            row = {"seed": 100 + k, "duration_s": trace[-1].arrival_s}
+            row = {
+                "seed": 100 + k,
+                "duration_s": trace[-1].arrival_s,
+                "sizes": [r.size for r in trace],
+                "latencies_ms": {},  # per request, in trace order: the CDF's data points
+            }
             systems = {
                 "serial": lambda t: run_serial(ref, t),
                 "request_batching": lambda t: run_request_batching(ref, t, cfg.max_batch_size),
@@ -368,6 +373,7 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
                     row[name]["step_ms_p50"] = res.extra["step_ms_p50"]
                     row[name]["denoiser_queue_wait_ms_mean"] = res.extra["denoiser_queue_wait_ms_mean"]
                 log("  " + ", ".join(f"{key} {val:.1f}" for key, val in row[name].items()))
+                row["latencies_ms"][name] = [rec.latency_s * 1000 for rec in res.records]
             traces.append(row)
             _dump_partial(partial_path, {**out, "mixed_partial": {**cap, "traces": traces}})
         out["mixed"] = {**cap, "traces": traces}
@@ -491,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=None)
     ap.add_argument("--traces", type=int, default=None)
     ap.add_argument("--saturation-repeats", type=int, default=None)
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the mixed-traffic latency CDF per system into this PNG")
     args = ap.parse_args(argv)
     cfg = BenchConfig.make(args.quick)
     if args.max_batch_size:
@@ -501,9 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg.saturation_repeats = args.saturation_repeats
     partial = Path(args.json_path + ".partial") if args.json_path else None
     result = run_benchmark(cfg, partial)
+    result["command"] = "omnistage bench diffusion " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(result, indent=2, default=float)
     if args.json_path:
         Path(args.json_path).write_text(text)
+    if args.plot:
+        from omnistage.bench.plot import plot_diffusion
+
+        plot_diffusion(result, args.plot)
     print(
         json.dumps(
             {

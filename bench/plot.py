@@ -64,11 +64,11 @@ def _figure(ncols: int = 1):
     return fig, axes
 
 
-def _caption(result: dict) -> str:
+def _caption(result: dict, width: int = 100) -> str:
     command = result.get("command") or ""
     quick = result.get("quick") or result.get("config", {}).get("quick") or result.get("settings", {}).get("quick")
     text = command + ("  [--quick: a smoke run, not a measurement]" if quick else "")
-    return textwrap.fill(text, 120)
+    return textwrap.fill(text, width)
 
 
 def plot_ar(result: dict, path: str | Path) -> None:
@@ -104,7 +104,7 @@ def plot_ar(result: dict, path: str | Path) -> None:
     ax_tput.legend(fontsize=8)
     ax_tput.set_title("throughput (median of rounds, min..max)")
     ax_tpot.set_title("time per output token")
-    fig.suptitle(_caption(result), fontsize=8)
+    fig.suptitle(_caption(result, 200), fontsize=8)
     fig.savefig(path)
 
 
@@ -126,6 +126,7 @@ def plot_diffusion(result: dict, path: str | Path) -> None:
         xs, ys = _cdf([v / 1000.0 for v in values])
         ax.step(xs, ys, where="post", color=SERIES_COLORS[system], lw=2, label=SERIES_LABELS.get(system, system))
     ax.set_xscale("log")
+    _plain_log_ticks(ax)
     ax.set_xlabel("latency, arrival to image (s)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
@@ -153,12 +154,21 @@ def plot_runtime(result: dict, path: str | Path) -> None:
             value, color=SERIES_COLORS["omnistage"], ls=style, lw=1, label=f"hop p{round(q * 100)} {value:.0f} us"
         )
     ax.set_xscale("log")
+    _plain_log_ticks(ax)
     ax.set_xlabel("one-way latency (us)")
     ax.set_ylabel("samples")
     ax.set_title(f"stage-to-stage hop, receiver idle ({len(hops)} samples)")
     ax.legend(fontsize=8)
     fig.suptitle(_caption(result), fontsize=8)
     fig.savefig(path)
+
+
+def _plain_log_ticks(ax) -> None:
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _log_bins(lo: float, hi: float, count: int) -> list[float]:

@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
+import pytest
 
-def test_quick_bench_writes_the_json_keys(tmp_path):
-    out = tmp_path / "bench.json"
+from omnistage.bench.plot import SERIES_COLORS
+
+
+def test_quick_bench_writes_the_json_keys(tmp_path, png_colors):
+    out, png = tmp_path / "bench.json", tmp_path / "cdf.png"
     env = dict(os.environ, PYTHONSAFEPATH="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "omnistage.serving.cli", "bench", "diffusion", "--quick", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "omnistage.serving.cli",
+            "bench",
+            "diffusion",
+            "--quick",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -36,6 +52,16 @@ def test_quick_bench_writes_the_json_keys(tmp_path):
     assert data["checks"]["equal_diffusers"] is True
     assert data["config"]["denoiser"]["num_layers"] == 4 and data["config"]["quick"] is True
     assert {"met", "value", "target"} <= set(data["targets"]["throughput_vs_serial"])
+    # the CDF's data points: one latency per request of each trace, for every system
+    for trace in data["mixed"]["traces"]:
+        assert len(trace["sizes"]) == data["config"]["mixed"]["requests"]
+        for system in ("serial", "request_batching", "omnistage"):
+            latencies = trace["latencies_ms"][system]
+            assert len(latencies) == len(trace["sizes"]) and min(latencies) > 0
+            assert statistics.median(latencies) == pytest.approx(trace[system]["latency_ms_p50"])
+    colors = png_colors(png)
+    for system in ("serial", "request_batching", "omnistage"):
+        assert png_colors.rgb(SERIES_COLORS[system]) in colors, system
 
 
 def test_serial_service_time_excludes_queueing():
