@@ -34,7 +34,7 @@ class ModelShape:
 
 
 SHAPES = {
-    # The benchmark model: ~55M parameters.
+    # The benchmark model: ~55M parameters.
     "55m": ModelShape("qwen2-55m", 32000, 512, 8, 8, 2, 1408),
     # --quick: small enough for the test suite.
     "quick": ModelShape("qwen2-quick", 2048, 128, 2, 4, 2, 256),

@@ -4,7 +4,7 @@
     if ops is not None:
         out = ops.rms_norm(x, weight, eps)
 
-The first load compiles the source with torch's C++ extension builder (~30 s on two cores,
+The first load compiles the source with torch's C++ extension builder (once, tens of seconds,
 into ~/.cache/omnistage/kernels/, which `make install` does ahead of time); later loads import
 the built module. Any failure is logged once and load() returns None, so callers keep their
 eager-op path. OMNISTAGE_CPU_FUSED=0 disables the kernels.

@@ -1,9 +1,9 @@
 // Fused float32 CPU kernels for the AR decoder's small per-layer ops.
 //
-// Why: on this class of machine each small ATen op costs ~3 us when its code is cached, but
-// right after a GEMM has streamed megabytes of weights through the caches it costs 2-3x that
-// (the dispatcher's code and data were evicted); an RMSNorm is 6 such ops. One call here
-// replaces them. Built with -ffp-contract=off so products and sums round exactly as the eager
+// Why: a small ATen op that runs right after a GEMM has streamed megabytes of weights through
+// the caches costs several times what it costs with its code cached (the dispatcher's code and
+// data were evicted; docs/bench-ar.md has the figures), and an RMSNorm is six such ops. One
+// call here replaces them. Built with -ffp-contract=off so products and sums round exactly as the eager
 // ops do; only the sum of squares in RMSNorm is accumulated in a different order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
