@@ -21,6 +21,9 @@ KIND_MODULES: dict[str, str] = {
     "text_encoder": "omnistage.stages.diffusion.text_encoder",
     "denoiser": "omnistage.stages.diffusion.denoiser",
     "vae_decoder": "omnistage.stages.diffusion.vae",
+    # Qwen2.5-Omni (stages/omni)
+    "audio_encoder": "omnistage.stages.omni.audio_encoder",
+    "token2wav": "omnistage.stages.omni.token2wav",
 }
 
 _REGISTRY: dict[str, type[StageEngine]] = {}
