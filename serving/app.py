@@ -16,7 +16,9 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI
 
 import omnistage
+from omnistage.serving.apidocs import install_api_docs
 from omnistage.serving.errors import install_error_handlers
+from omnistage.serving.guards import DEFAULT_MAX_BODY_BYTES, HostPolicy, RequestGuard
 from omnistage.serving.metrics import ServingMetrics
 from omnistage.serving.middleware import ServingMiddleware
 from omnistage.serving.registry import PipelineRegistry
@@ -29,8 +31,12 @@ def create_app(
     drain_timeout: float = 30.0,
     routers: Iterable[APIRouter] = (),
     load_on_startup: bool = True,
+    max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
+    host_policy: HostPolicy | None = None,
 ) -> FastAPI:
-    """Build the app. `routers`: extra routers to include after the ROUTER_MODULES ones."""
+    """Build the app. `routers`: extra routers to include after the ROUTER_MODULES ones.
+    `max_body_bytes`: larger request bodies get 413 (None: no limit). `host_policy`: the Host
+    values answered (None: any; `omnistage serve` on a loopback address passes one)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -39,14 +45,23 @@ def create_app(
         yield
         await asyncio.to_thread(registry.close, app.state.drain_timeout)
 
-    app = FastAPI(title="omnistage", version=omnistage.__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="omnistage",
+        version=omnistage.__version__,
+        lifespan=lifespan,
+        docs_url=None,  # serving/apidocs.py serves them from local assets
+        redoc_url=None,
+    )
     app.state.registry = registry
+    app.state.max_body_bytes = max_body_bytes
     app.state.metrics = ServingMetrics(registry)
     app.state.drain_timeout = drain_timeout
     install_error_handlers(app)
+    install_api_docs(app)
     for module_name in ROUTER_MODULES:
         app.include_router(importlib.import_module(module_name).router)
     for router in routers:
         app.include_router(router)
+    app.add_middleware(RequestGuard, host_policy=host_policy, max_body_bytes=max_body_bytes)
     app.add_middleware(ServingMiddleware, registry=registry, metrics=app.state.metrics)
     return app

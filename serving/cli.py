@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+# the body limit's default, without importing the server (validate/schema stay fast)
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
 
 def _add_overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -38,6 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a pipeline may take to load before it is marked failed",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies are refused with 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host header value to answer besides loopback names (repeatable; *.example.com matches subdomains)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -80,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                 drain_timeout=args.drain_timeout,
                 ready_timeout=args.ready_timeout,
                 log_level=args.log_level,
+                max_body_bytes=args.max_body_bytes,
+                allowed_hosts=args.allowed_hosts,
             )
             or 0
         )

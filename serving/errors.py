@@ -97,11 +97,12 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     param = _loc_to_param(first.get("loc", ()))
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
-        message, param = "We could not parse the JSON body of your request.", None
-    else:
-        message = f"{param}: {msg}" if param else msg
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        detail = (first.get("ctx") or {}).get("error")
+        message = "We could not parse the JSON body of your request" + (f" ({detail})." if detail else ".")
+        return error_response(message, status=400, code="invalid_json")
+    message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return error_response(message, status=400, code="invalid_value" if param else "invalid_request", param=param)
 
 
@@ -113,10 +114,32 @@ def http_error_response(exc: StarletteHTTPException, request: Request) -> JSONRe
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}"
         code = "method_not_allowed"
+    elif status == 413:
+        limit = getattr(request.app.state, "max_body_bytes", None)
+        message = body_too_large_message(limit) if limit is not None else "The request body is too large."
+        code = "body_too_large"
+    elif status == 400 and exc.detail == BODY_PARSE_FAILED:
+        message, code = _parse_failure_message(exc.__cause__), "invalid_json"
     else:
         message = str(exc.detail)
         code = None
     return error_response(message, status=status, code=code, headers=getattr(exc, "headers", None))
+
+
+# FastAPI's detail when reading the body failed other than by a JSON syntax error
+BODY_PARSE_FAILED = "There was an error parsing the body"
+
+
+def _parse_failure_message(cause: BaseException | None) -> str:
+    if isinstance(cause, RecursionError):
+        return "We could not parse the JSON body of your request: it is nested too deeply."
+    if isinstance(cause, UnicodeDecodeError):
+        return "We could not parse the JSON body of your request: it is not valid UTF-8."
+    return "We could not parse the JSON body of your request."
+
+
+def body_too_large_message(limit: int) -> str:
+    return f"The request body is larger than this server's limit of {limit} bytes (--max-body-bytes)."
 
 
 def install_error_handlers(app: FastAPI) -> None:

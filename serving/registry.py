@@ -8,6 +8,7 @@ by name.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -22,6 +23,8 @@ from omnistage.serving.errors import ModelNotFoundError, ServiceUnavailableError
 log = logging.getLogger("omnistage.serving")
 
 LOADING, READY, FAILED, CLOSED = "loading", "ready", "failed", "closed"
+STAGE_POLL_S = 0.25  # how often loading stages are checked for the per-stage log lines
+PROGRESS_EVERY_S = 15.0  # a "still loading" line this often while a pipeline loads
 
 
 def default_config_paths() -> list[Path]:
@@ -108,6 +111,8 @@ class PipelineRegistry:
         self.ready_timeout = ready_timeout
         self.draining = False
         self.inflight = 0  # HTTP requests doing work; touched only on the event loop
+        self.work_tasks: set[asyncio.Task] = set()  # their tasks (event loop only)
+        self.cutting = False  # the drain timeout passed: in-flight requests are being cut
         self.started_at = time.time()
 
     # -- building ----------------------------------------------------------------------------
@@ -189,7 +194,7 @@ class PipelineRegistry:
 
     def _wait_ready(self, entry: PipelineEntry, started: float) -> None:
         try:
-            entry.pipeline.wait_ready(self.ready_timeout)
+            self._watch_stages(entry, started)
         except Exception as exc:  # noqa: BLE001
             if not self._closing.is_set():
                 self._fail(entry, exc)
@@ -199,6 +204,34 @@ class PipelineRegistry:
         entry.load_seconds = time.monotonic() - started
         entry.state = READY
         log.info("pipeline %r ready in %.1fs", entry.name, entry.load_seconds)
+
+    def _watch_stages(self, entry: PipelineEntry, started: float) -> None:
+        """Wait for the pipeline, logging one line per stage as it turns ready and a progress
+        line while stages take long (building a tiny checkpoint, loading large weights)."""
+        pipeline, end = entry.pipeline, started + self.ready_timeout
+        stages = entry.spec.stages if entry.spec is not None else {}
+        seen: set[str] = set()
+        next_note = started + PROGRESS_EVERY_S
+        while True:
+            try:
+                pipeline.wait_ready(min(STAGE_POLL_S, max(0.0, end - time.monotonic())))
+                done = True
+            except TimeoutError:
+                if time.monotonic() >= end:
+                    raise
+                done = False
+            now = time.monotonic()
+            for name, ready in pipeline.stage_ready().items():
+                if (ready or done) and name not in seen:
+                    seen.add(name)
+                    note = _stage_note(stages.get(name))
+                    log.info("%s/%s%s: ready after %.1fs", entry.name, name, note, now - started)
+            if done or self._closing.is_set():
+                return
+            if now >= next_note:
+                waiting = [n for n in pipeline.stage_ready() if n not in seen]
+                log.info("%s: still loading %s (%.0fs)", entry.name, ", ".join(waiting), now - started)
+                next_note = now + PROGRESS_EVERY_S
 
     def _fail(self, entry: PipelineEntry, exc: Exception) -> None:
         entry.state = FAILED
@@ -257,6 +290,15 @@ class PipelineRegistry:
     def begin_drain(self) -> None:
         self.draining = True
 
+    def cut_inflight(self) -> int:
+        """Cancel every in-flight HTTP request (on the event loop, after the drain timeout):
+        each is answered 503 `draining` by the middleware and its pipeline work is aborted."""
+        self.draining = self.cutting = True
+        tasks = [t for t in self.work_tasks if not t.done()]
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
     def close(self, drain_timeout: float = 30.0) -> None:
         """Close every pipeline (in parallel), letting their in-flight work finish first."""
         self.draining = True
@@ -275,6 +317,13 @@ class PipelineRegistry:
             t.join()
         if self._loader is not None:
             self._loader.join(timeout=30.0)  # it closes a pipeline it was still building
+
+
+def _stage_note(stage: Any) -> str:
+    """` (ar_lm, tiny:tiny-llm)` for a stage's ready line."""
+    if stage is None:
+        return ""
+    return f" ({stage.kind}, {stage.model.source})" if stage.model is not None else f" ({stage.kind})"
 
 
 def _close_quietly(pipeline: Any, drain_timeout: float) -> None:

@@ -13,6 +13,7 @@ Order of events:
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,6 +26,9 @@ from omnistage.serving.registry import PipelineRegistry, default_config_paths
 
 log = logging.getLogger("omnistage.serving")
 
+# after the drain timeout cancels the requests still running, how long their 503s may take
+CUT_GRACE_S = 2.0
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose exit signals drain the registry before stopping."""
@@ -35,6 +39,7 @@ class DrainingServer(uvicorn.Server):
         self.registry = registry
         self.drain_timeout = drain_timeout
         self.drain_deadline: float | None = None
+        self.cut_deadline: float | None = None  # set when the drain timeout cut requests
 
     def handle_exit(self, sig: int, frame) -> None:
         # Unlike uvicorn's own handler this does not record the signal for re-raising at the
@@ -60,9 +65,12 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain_deadline is not None and not self.should_exit:
-            if self.registry.inflight == 0 or time.monotonic() >= self.drain_deadline:
-                if self.registry.inflight:
-                    log.warning("drain timeout: %d requests still in flight", self.registry.inflight)
+            now = time.monotonic()
+            if self.registry.inflight and now >= self.drain_deadline and self.cut_deadline is None:
+                cut = self.registry.cut_inflight()
+                log.warning("drain timeout: answering %d unfinished requests with 503 draining", cut)
+                self.cut_deadline = now + CUT_GRACE_S
+            if self.registry.inflight == 0 or (self.cut_deadline is not None and now >= self.cut_deadline):
                 self.should_exit = True
                 # What is left of the budget goes to uvicorn's connection wait and the close.
                 self.config.timeout_graceful_shutdown = max(1.0, self.remaining_drain())
@@ -79,16 +87,20 @@ def serve(
     *,
     log_level: str = "info",
     ready_timeout: float = 600.0,
+    max_body_bytes: int | None = None,
+    allowed_hosts: Iterable[str] = (),
 ) -> int:
     """Serve the pipelines in `configs` (default: every configs/tiny-*.yaml). Returns the exit
     status: 0 after a clean drain, 2 for invalid configs, 1 when the server could not start."""
     from omnistage.graph.loader import PipelineValidationError
     from omnistage.serving.app import create_app
+    from omnistage.serving.guards import DEFAULT_MAX_BODY_BYTES, HostPolicy, is_loopback
 
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    quiet_third_party_output(log_level)
     paths = list(configs) or default_config_paths()
     if not paths:
         print("omnistage serve: no pipeline configs given and no configs/tiny-*.yaml found", file=sys.stderr)
@@ -104,7 +116,19 @@ def serve(
         return 2
     log.info("serving %s on http://%s:%d", ", ".join(registry.names()), host, port)
 
-    app = create_app(registry, drain_timeout=drain_timeout)
+    host_policy = HostPolicy.for_bind(host, allowed_hosts)
+    if not is_loopback(host):
+        log.warning(
+            "listening on %s, not a loopback address: this server has no authentication (API keys are not "
+            "implemented), so anyone who can reach this port can run its pipelines",
+            host,
+        )
+    app = create_app(
+        registry,
+        drain_timeout=drain_timeout,
+        max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
+        host_policy=host_policy,
+    )
     config = uvicorn.Config(
         app,
         host=host,
@@ -122,3 +146,23 @@ def serve(
     finally:
         registry.close(0.0)  # no-op for pipelines the app's shutdown already closed
     return 0 if server.started else 1
+
+
+# Environment read by transformers, diffusers and huggingface_hub in every worker process
+# (workers inherit it): their advisory warnings (diffusers' `accelerate` notice, once per
+# model load) and tqdm bars (one "Loading weights" bar per model) would otherwise interleave
+# in the server's log. The runtime's own lines say which stage is loading and when it is ready.
+QUIET_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
+def quiet_third_party_output(log_level: str) -> None:
+    """Silence third-party chatter unless --log-level debug; a value the user set wins."""
+    if log_level.lower() == "debug":
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)

@@ -1,11 +1,17 @@
-"""Generic pipeline calls over JSON: POST /v1/pipelines/{name}/run (optionally streamed as SSE).
+"""Generic pipeline calls over JSON, and what each pipeline wants and gives.
 
-The protocol-specific routes (chat, speech, images) come as their own routers; this one
-exposes any hosted pipeline as it is, which is what tests, debugging and glue code need.
-Request:  {"inputs": {port: value}, "params": {stage: {...}}, "stream": false, "timeout": null}
+GET  /v1/pipelines               every hosted pipeline: ports with their types
+GET  /v1/pipelines/{name}        one pipeline: ports, every stage's per-request params, an example
+POST /v1/pipelines/{name}/run    run it: {"inputs": {port: value}, "params": {stage: {...}},
+                                  "stream": false, "timeout": null, "output_format": {port: fmt}}
+
 Inputs of tensor-like port types are built with torch.tensor(value) (int64 for `tokens`,
-float32 for tensor, embeddings, audio, ...); text/json/any are passed through. Outputs: tensors become nested lists.
+float32 for tensor, embeddings, audio, ...); text/json/any are passed through. Outputs: tensors
+become nested lists, media ports named in output_format become base64 files (serving/media.py),
+and an Accept header naming a media type returns that one port's file itself.
 Streamed: one SSE event per chunk {"port", "data", "final", "stage", "progress"}, then [DONE].
+The stream's headers are sent with its first chunk, so a request refused before any output
+(bad params, overload, a prompt too long) gets its HTTP status, as without streaming.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 
 from omnistage.errors import InvalidRequestError, OmnistageError
-from omnistage.serving.deps import get_pipeline, unless_disconnected
+from omnistage.serving.catalog import describe_pipeline
+from omnistage.serving.deps import get_pipeline, get_registry, unless_disconnected
+from omnistage.serving.errors import ModelNotFoundError
+from omnistage.serving.media import MediaFormat, encode_media, format_for_accept, media_json, parse_output_formats
 from omnistage.streaming.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 router = APIRouter(tags=["pipelines"])
@@ -31,6 +40,7 @@ class RunRequest(BaseModel):
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False
     timeout: float | None = Field(default=None, gt=0)
+    output_format: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
 
 
 def _to_inputs(spec: Any, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -82,37 +92,88 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
+def _port_json(port: str | None, value: Any, formats: dict[str, MediaFormat]) -> Any:
+    media = formats.get(port) if port is not None else None
+    if media is not None and value is not None:
+        return media_json(value, media)
+    return to_jsonable(value)
+
+
+@router.get("/v1/pipelines")
+async def list_pipelines(request: Request) -> dict:
+    registry = get_registry(request)
+    return {"object": "list", "data": [describe_pipeline(e, detail=False) for e in registry.entries()]}
+
+
+@router.get("/v1/pipelines/{name}")
+async def retrieve_pipeline(name: str, request: Request) -> dict:
+    registry = get_registry(request)
+    entry = registry.entry(name)
+    if entry is None:
+        raise ModelNotFoundError(name, registry.names())
+    return describe_pipeline(entry)
+
+
 @router.post("/v1/pipelines/{name}/run")
 async def run_pipeline(name: str, body: RunRequest, request: Request):
     pipeline = get_pipeline(request, name)
-    inputs = _to_inputs(pipeline.spec, body.inputs)
+    spec = pipeline.spec
+    inputs = _to_inputs(spec, body.inputs)
+    formats = parse_output_formats(spec, body.output_format)
+    as_file = format_for_accept(spec, request.headers.get("accept"))
+    if as_file is not None and body.stream:
+        raise InvalidRequestError(f"Accept: {as_file.media_type} answers a whole file; drop stream", param="stream")
     request_id = f"run-{uuid.uuid4().hex[:16]}"
     if not body.stream:
         outputs = await unless_disconnected(
             request, pipeline.generate(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
         )
+        if as_file is not None:
+            data = encode_media(outputs.get(as_file.port), as_file)
+            if isinstance(data, list):
+                raise InvalidRequestError(
+                    f"output {as_file.port!r} holds {len(data)} images; ask for them with output_format", param="Accept"
+                )
+            return Response(data, media_type=as_file.media_type)
         return {
             "id": request_id,
             "object": "pipeline.run",
             "model": name,
-            "outputs": {port: to_jsonable(v) for port, v in outputs.items()},
+            "outputs": {port: _port_json(port, v, formats) for port, v in outputs.items()},
         }
+    return await _stream_response(request, pipeline, body, inputs, formats, request_id)
 
+
+async def _stream_response(request, pipeline, body, inputs, formats, request_id) -> StreamingResponse:
     stream = pipeline.stream(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
+    # Wait for the first chunk before any byte is sent: a refusal at admission (400, 503, ...)
+    # raises here and leaves with its own status instead of inside a 200 stream.
+    try:
+        first = await unless_disconnected(request, anext(stream))
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await stream.aclose()
+        raise
+
+    def event(chunk) -> bytes:
+        return sse_event(
+            {
+                "id": request_id,
+                "port": chunk.port,
+                "stage": chunk.stage,
+                "final": chunk.final,
+                "progress": chunk.progress,
+                "data": _port_json(chunk.port, chunk.data, formats),
+            }
+        )
 
     async def events():
         try:
-            async for chunk in stream:
-                yield sse_event(
-                    {
-                        "id": request_id,
-                        "port": chunk.port,
-                        "stage": chunk.stage,
-                        "final": chunk.final,
-                        "progress": chunk.progress,
-                        "data": to_jsonable(chunk.data),
-                    }
-                )
+            if first is not None:
+                yield event(first)
+                async for chunk in stream:
+                    yield event(chunk)
         except OmnistageError as err:  # headers are gone: report the error in-band
             yield sse_event(
                 {

@@ -1,0 +1,80 @@
+"""What a hosted pipeline wants and gives, for GET /v1/pipelines and /v1/pipelines/{name}.
+
+Built from the pipeline's spec alone (no worker is asked): its input and output ports with
+their types, each stage's per-request params (the stage kind's declarations in
+omnistage.stages.params: type, range, default) and an example request body.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from omnistage.serving.media import FORMATS_BY_PORT_TYPE
+
+log = logging.getLogger("omnistage.serving")
+
+# Example values by input port type. Ports without one (tensors: their shape is the stage's)
+# are left out of the example; a pipeline with none of these gets no example.
+_EXAMPLE_BY_TYPE: dict[str, Any] = {"text": "Hello", "tokens": [1, 2, 3]}
+_EXAMPLE_MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def request_params_of(kind: str) -> tuple[list[dict[str, Any]], bool]:
+    """(declared per-request params of a stage kind, whether undeclared keys are accepted)."""
+    try:
+        from omnistage.stages.params import kind_params
+    except ImportError:  # the declarations module is not in this build
+        return [], True
+    try:
+        request = kind_params(kind).request
+    except KeyError:
+        return [], True
+    return request.describe(), bool(request.open)
+
+
+def _example_request(spec: Any) -> dict[str, Any] | None:
+    # Prompt-like inputs are alternatives (prompt | messages | tokens): the first one is enough.
+    for port, port_type in spec.inputs.items():
+        if port_type == "json" and port == "messages":
+            return {"inputs": {port: _EXAMPLE_MESSAGES}}
+        if port_type in _EXAMPLE_BY_TYPE:
+            return {"inputs": {port: _EXAMPLE_BY_TYPE[port_type]}}
+    return None
+
+
+def _outputs(spec: Any) -> dict[str, dict[str, Any]]:
+    streamed = {e.dst.port for e in spec.edges if e.dst.stage == "outputs" and e.stream is not None}
+    out = {}
+    for port, port_type in spec.outputs.items():
+        entry: dict[str, Any] = {"type": port_type, "streamed": port in streamed}
+        formats = FORMATS_BY_PORT_TYPE.get(port_type)
+        if formats:
+            entry["formats"] = list(formats)
+        out[port] = entry
+    return out
+
+
+def describe_pipeline(entry: Any, *, detail: bool = True) -> dict[str, Any]:
+    """One pipeline's card; `detail` adds its stages' params and the example request."""
+    spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+    card: dict[str, Any] = {
+        "id": entry.name,
+        "object": "pipeline",
+        "description": getattr(spec, "description", "") or "",
+        "ready": entry.is_ready(),
+        "state": entry.state,
+    }
+    if spec is None:
+        return card
+    card["inputs"] = {port: {"type": t} for port, t in spec.inputs.items()}
+    card["outputs"] = _outputs(spec)
+    if not detail:
+        return card
+    stages = {}
+    for name, stage in spec.stages.items():
+        params, open_ = request_params_of(stage.kind)
+        stages[name] = {"kind": stage.kind, "params": params, "accepts_undeclared_params": open_}
+    card["stages"] = stages
+    card["example_request"] = _example_request(spec)
+    return card
