@@ -27,13 +27,26 @@ from omnistage.stages.diffusion.adapters.sd3 import (
     merge_warnings,
     repeat_rows,
     t5_encode,
+    vae_config,
+    vae_config_scale_factor,
     vae_scale_factor,
 )
+from omnistage.stages.diffusion.limits import GenerationDefaults, ModelLimits, SizeRange
 
 DEFAULT_GUIDANCE = 3.5
 DEFAULT_STEPS = 28
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 DEFAULT_SAMPLE_SIZE = 128
+
+
+def model_limits(transformer: dict[str, Any], vae: dict[str, Any]) -> ModelLimits:
+    """FluxTransformer2DModel's range: sizes on multiples of VAE factor x 2 (latents are packed
+    2x2); its RoPE positions are computed per request, so the model sets no largest size (the
+    denoiser's max_pixels does). Default size 128 x VAE factor, as FluxPipeline."""
+    factor = vae_config_scale_factor(vae)
+    sizes = SizeRange(factor * 2, factor * 2)
+    side = DEFAULT_SAMPLE_SIZE * factor
+    return ModelLimits("flux", GenerationDefaults(side, side, DEFAULT_STEPS, DEFAULT_GUIDANCE), sizes)
 
 
 def true_cfg(params: GenerationParams) -> bool:
@@ -92,14 +105,13 @@ class FluxDenoiser(DenoiserAdapter):
         self.vae_scale_factor = vae_scale_factor(components)
         self.latent_channels = cfg.in_channels // 4
         self.guidance_embeds = bool(cfg.guidance_embeds)
-        self.default_size = DEFAULT_SAMPLE_SIZE * self.vae_scale_factor
+        self.limits = model_limits(dict(cfg), vae_config(components))
 
     def prepare(self, request_id, params, text) -> DenoiseState:
-        h = params.height or self.default_size
-        w = params.width or self.default_size
-        self.check_size(h, w, self.vae_scale_factor * 2)
-        steps = params.num_inference_steps or DEFAULT_STEPS
-        guidance = DEFAULT_GUIDANCE if params.guidance_scale is None else float(params.guidance_scale)
+        settings = self.limits.resolve(params)
+        h, w = settings.height, settings.width
+        steps = settings.num_inference_steps
+        guidance = settings.guidance_scale
         do_cfg = true_cfg(params)
         if do_cfg and not text.has_negative:
             raise ValueError("true CFG needs the negative prompt row from the text encoder (give it the same params)")

@@ -21,19 +21,41 @@ from omnistage.stages.diffusion.adapters.base import (
     TextEncoderAdapter,
     VaeAdapter,
 )
+from omnistage.stages.diffusion.limits import GenerationDefaults, ModelLimits, SizeRange
 
 DEFAULT_GUIDANCE = 7.0
 DEFAULT_STEPS = 28
 DEFAULT_MAX_SEQUENCE_LENGTH = 256
 
 
-def vae_scale_factor(components: dict[str, Any]) -> int:
-    cfg = components.get("vae_config") or {}
+def vae_config(components: dict[str, Any]) -> dict[str, Any]:
+    """The VAE's config: the loaded VAE's, else its config.json as build_adapter read it."""
     vae = components.get("vae")
-    if vae is not None:
-        cfg = vae.config
+    return dict(vae.config) if vae is not None else dict(components.get("vae_config") or {})
+
+
+def vae_scale_factor(components: dict[str, Any]) -> int:
+    return vae_config_scale_factor(vae_config(components))
+
+
+def vae_config_scale_factor(cfg: Any) -> int:
+    """AutoencoderKL's spatial factor, as diffusers' pipelines compute it (8 without a config)."""
     blocks = cfg.get("block_out_channels") if hasattr(cfg, "get") else getattr(cfg, "block_out_channels", None)
     return 2 ** (len(blocks) - 1) if blocks else 8
+
+
+def model_limits(transformer: dict[str, Any], vae: dict[str, Any]) -> ModelLimits:
+    """SD3Transformer2DModel's range: sizes on multiples of VAE factor x patch size, at most
+    pos_embed_max_size patches a side; default size sample_size x VAE factor (diffusers'
+    StableDiffusion3Pipeline default), fitted into the range."""
+    factor = vae_config_scale_factor(vae)
+    patch = int(transformer.get("patch_size") or 2)
+    pos = transformer.get("pos_embed_max_size")
+    top = int(pos) * patch * factor if pos else None
+    sizes = SizeRange(factor * patch, factor * patch, top, top)
+    side = int(transformer.get("sample_size") or 128) * factor
+    height, width = sizes.fit(side, side)
+    return ModelLimits("sd3", GenerationDefaults(height, width, DEFAULT_STEPS, DEFAULT_GUIDANCE), sizes)
 
 
 def truncation_warnings(tokenizer, prompts: list[str], max_length: int, what: str) -> list[list[str]]:
@@ -128,7 +150,7 @@ class SD3Denoiser(DenoiserAdapter):
         self.vae_scale_factor = vae_scale_factor(components)
         self.patch_size = cfg.patch_size
         self.in_channels = cfg.in_channels
-        self.default_size = cfg.sample_size * self.vae_scale_factor
+        self.limits = model_limits(dict(cfg), vae_config(components))
 
     def cfg_rows(self, text: TextConditioning, n: int, do_cfg: bool, key: str) -> torch.Tensor | None:
         t = getattr(text, key)
@@ -141,11 +163,10 @@ class SD3Denoiser(DenoiserAdapter):
         return torch.cat([repeat_rows(t[1:2], n), cond])
 
     def prepare(self, request_id, params, text) -> DenoiseState:
-        h = params.height or self.default_size
-        w = params.width or self.default_size
-        self.check_size(h, w, self.vae_scale_factor * self.patch_size)
-        steps = params.num_inference_steps or DEFAULT_STEPS
-        guidance = DEFAULT_GUIDANCE if params.guidance_scale is None else float(params.guidance_scale)
+        settings = self.limits.resolve(params)
+        h, w = settings.height, settings.width
+        steps = settings.num_inference_steps
+        guidance = settings.guidance_scale
         do_cfg = guidance > 1
         if do_cfg and not text.has_negative:
             raise ValueError("CFG needs the negative prompt row from the text encoder (give it the same params)")

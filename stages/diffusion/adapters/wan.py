@@ -29,6 +29,7 @@ from omnistage.stages.diffusion.adapters.base import (
     TextEncoderAdapter,
     VaeAdapter,
 )
+from omnistage.stages.diffusion.limits import GenerationDefaults, ModelLimits, SizeRange
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,29 @@ DEFAULT_FRAMES = 81
 DEFAULT_STEPS = 50
 DEFAULT_GUIDANCE = 5.0
 DEFAULT_MAX_SEQUENCE_LENGTH = 226
+
+
+def model_limits(transformer: dict[str, Any], vae: dict[str, Any]) -> ModelLimits:
+    """WanTransformer3DModel's range: sizes on multiples of the VAE's spatial factor x patch,
+    at most rope_max_seq_len patches per axis (its RoPE table; latent frames too), frame
+    counts 4k+1 (the VAE's temporal factor). Defaults: WanPipeline's 480x832, 81 frames,
+    scaled into the range when the checkpoint cannot take them."""
+    temporal = int(vae.get("scale_factor_temporal") or 4)
+    spatial = int(vae.get("scale_factor_spatial") or 8)
+    p_t, p_h, p_w = (int(x) for x in (transformer.get("patch_size") or (1, 2, 2)))
+    rope = int(transformer.get("rope_max_seq_len") or 1024)
+    sizes = SizeRange(
+        height_multiple=spatial * p_h,
+        width_multiple=spatial * p_w,
+        max_height=rope * p_h * spatial,
+        max_width=rope * p_w * spatial,
+        frame_step=temporal,
+        max_frames=(rope * p_t - 1) * temporal + 1,
+    )
+    height, width = sizes.fit(DEFAULT_HEIGHT, DEFAULT_WIDTH)
+    frames = sizes.fit_frames(DEFAULT_FRAMES)
+    defaults = GenerationDefaults(height, width, DEFAULT_STEPS, DEFAULT_GUIDANCE, num_frames=frames)
+    return ModelLimits("wan", defaults, sizes)
 
 
 def clean_prompt(text: str) -> str:
@@ -174,25 +198,13 @@ class WanDenoiser(DenoiserAdapter):
         cfg = self.transformer.config
         self.patch = tuple(cfg.patch_size)
         self.in_channels = int(cfg.in_channels)
+        self.limits = model_limits(dict(cfg), vae_cfg)
 
     def prepare(self, request_id: str, params: GenerationParams, text: TextConditioning) -> DenoiseState:
-        height = params.height or DEFAULT_HEIGHT
-        width = params.width or DEFAULT_WIDTH
-        frames = params.num_frames or DEFAULT_FRAMES
-        steps = params.num_inference_steps or DEFAULT_STEPS
-        guidance = DEFAULT_GUIDANCE if params.guidance_scale is None else float(params.guidance_scale)
-        h_mult = self.scale_spatial * self.patch[1]
-        w_mult = self.scale_spatial * self.patch[2]
-        if height % h_mult or width % w_mult:
-            raise InvalidRequestError(
-                f"height and width must be multiples of {h_mult} x {w_mult} for this model, got {height}x{width}",
-                param="height" if height % h_mult else "width",
-            )
-        if (frames - 1) % self.scale_temporal:
-            raise InvalidRequestError(
-                f"num_frames - 1 must be a multiple of {self.scale_temporal}, got num_frames={frames}",
-                param="num_frames",
-            )
+        settings = self.limits.resolve(params)
+        height, width, frames = settings.height, settings.width, settings.num_frames
+        steps = settings.num_inference_steps
+        guidance = settings.guidance_scale
         do_cfg = guidance > 1.0
         if do_cfg and not text.has_negative:
             raise InvalidRequestError("guidance_scale > 1 needs the negative prompt encoding (row 1)")
