@@ -1,0 +1,1 @@
+"""Qwen2.5-Omni stage kinds: audio/vision encoders, thinker, talker and token2wav."""

@@ -1,0 +1,296 @@
+"""Stage kind `token2wav`: Qwen2.5-Omni codec tokens -> 24 kHz speech, streamed in windows.
+
+Input `codes` (tokens, streaming: the talker's codec ids as they come; a complete list on a
+non-streaming edge works too). Output `audio` (streaming): float32 mono waveform chunks at
+24 kHz, in order; their concatenation is the request's speech.
+
+Each step gathers the DiT windows that are ready across requests (oldest request first, one
+window each before any request gets a second; windows of different voices, lengths and
+requests share one padded forward), solves their ODE together, then vocodes every request's
+newly final mel frames and emits the audio. A request waiting for codes holds nobody up: it
+simply has no ready window. See docs/omni.md ("token2wav") for the window rules.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import replace
+from typing import Any, ClassVar
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
+from omnistage.stages.omni.token2wav_model import OdeSettings, load_token2wav
+from omnistage.stages.omni.token2wav_windows import RequestNoise, Span, Token2WavRequest, WindowSettings
+from omnistage.stages.registry import register_stage
+
+# name -> (types, lower bound or None, where it may be set: "stage", "request" or "both")
+_INT, _NUM = (int,), (int, float)
+PARAMS: dict[str, tuple[tuple[type, ...], float | None, str]] = {
+    "voice": ((str,), None, "both"),
+    "speaker": ((str,), None, "request"),
+    "seed": (_INT, 0, "request"),
+    "mode": ((str,), None, "both"),
+    "first_window_blocks": (_INT, 1, "both"),
+    "window_blocks": (_INT, 1, "both"),
+    "past_blocks": (_INT, 0, "both"),
+    "future_blocks": (_INT, 0, "both"),
+    "vocoder_overlap": (_INT, 0, "both"),
+    "num_steps": (_INT, 2, "both"),
+    "guidance_scale": (_NUM, 0, "both"),
+    "sway_coefficient": (_NUM, None, "both"),
+    "max_codes": (_INT, 1, "stage"),
+    "end_codes": ((list, tuple), None, "stage"),
+    "weight_prefix": ((str,), None, "stage"),
+    "voices_file": ((str,), None, "stage"),
+}
+MODES = ("stream", "full")
+
+
+def param_problems(params: dict[str, Any], where: str) -> list[tuple[str, str]]:
+    """(name, message) for each bad or unknown key of stage (`where="stage"`) or request params."""
+    problems = []
+    for name, value in (params or {}).items():
+        spec = PARAMS.get(name)
+        if spec is None or spec[2] not in (where, "both"):
+            allowed = sorted(k for k, s in PARAMS.items() if s[2] in (where, "both"))
+            problems.append((name, f"unknown token2wav {where} param {name!r} (known: {', '.join(allowed)})"))
+            continue
+        types, low, _ = spec
+        if not isinstance(value, types) or isinstance(value, bool):
+            problems.append((name, f"{name} must be {' or '.join(t.__name__ for t in types)}, got {value!r}"))
+        elif low is not None and value < low:
+            problems.append((name, f"{name} must be >= {low}, got {value!r}"))
+        elif name == "mode" and value not in MODES:
+            problems.append((name, f"mode must be one of {', '.join(MODES)}, got {value!r}"))
+        elif name == "end_codes" and not all(isinstance(c, int) for c in value):
+            problems.append((name, f"end_codes must be a list of integers, got {value!r}"))
+    return problems
+
+
+def _codes_of(chunk: Any) -> list[int]:
+    if isinstance(chunk, torch.Tensor):
+        if chunk.is_floating_point():
+            raise InvalidRequestError("codec tokens must be integers", param="codes")
+        return [int(c) for c in chunk.reshape(-1).tolist()]
+    if isinstance(chunk, int) and not isinstance(chunk, bool):
+        return [chunk]
+    if isinstance(chunk, (list, tuple)) and all(isinstance(c, int) and not isinstance(c, bool) for c in chunk):
+        return list(chunk)
+    raise InvalidRequestError(f"codec tokens must be integers, got {type(chunk).__name__}", param="codes")
+
+
+@register_stage("token2wav")
+class Token2WavStage(StageEngine):
+    inputs: ClassVar[dict[str, Port]] = {"codes": Port("tokens", streaming=True)}
+    outputs: ClassVar[dict[str, Port]] = {"audio": Port("audio", streaming=True)}
+    batching_policies = ("dynamic", "none")
+    needs_model = True
+    sample_rate = 24_000
+
+    @classmethod
+    def validate_params(cls, params):
+        return [msg for _, msg in param_problems(params, "stage")]
+
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        p = dict(ctx.params or {})
+        problems = self.validate_params(p)
+        if problems:
+            raise ValueError("; ".join(problems))
+        prefix = p.get("weight_prefix", ctx.model_prefix)
+        self.net = load_token2wav(str(ctx.model_path), ctx.device, prefix, p.get("voices_file"))
+        self.defaults = p
+        self.default_voice = p.get("voice") or (
+            "Chelsie" if "Chelsie" in self.net.voices else next(iter(self.net.voices))
+        )
+        if self.default_voice not in self.net.voices:
+            raise ValueError(
+                f"voice {self.default_voice!r} is not in the checkpoint's voices {sorted(self.net.voices)}"
+            )
+        self.max_codes = int(p.get("max_codes", 16384))
+        self.end_codes = set(p.get("end_codes", ()))
+        self.max_windows = max(1, int(getattr(ctx.batching, "max_batch_size", 8) or 8))
+        self.requests: dict[str, Token2WavRequest] = {}
+        self._pending: list[Emission] = []
+        self.totals = {"forwards": 0, "windows": 0, "max_windows_per_forward": 0, "audio_seconds": 0.0}
+
+    # -- requests -------------------------------------------------------------------------
+    def _settings(self, params: dict[str, Any]) -> tuple[OdeSettings, WindowSettings]:
+        merged = {**self.defaults, **params}
+        ode = OdeSettings()
+        ode = replace(ode, **{k: merged[k] for k in ("num_steps", "guidance_scale", "sway_coefficient") if k in merged})
+        keys = {
+            "first_window_blocks": "first_blocks",
+            "window_blocks": "steady_blocks",
+            "past_blocks": "past_blocks",
+            "future_blocks": "future_blocks",
+            "vocoder_overlap": "vocoder_overlap",
+        }
+        win = WindowSettings(**{field: merged[k] for k, field in keys.items() if k in merged})
+        return ode, replace(win, full=merged.get("mode", "stream") == "full")
+
+    def _new_request(self, request: StageRequest) -> Token2WavRequest:
+        params = dict(request.params or {})
+        problems = param_problems(params, "request")
+        if problems:
+            raise InvalidRequestError(problems[0][1], param=problems[0][0])
+        name = params.get("voice") or params.get("speaker") or self.default_voice
+        if name not in self.net.voices:
+            raise InvalidRequestError(
+                f"unknown voice {name!r}; available: {', '.join(sorted(self.net.voices))}", param="voice"
+            )
+        ode, windows = self._settings(params)
+        seed = params.get("seed")
+        return Token2WavRequest(
+            request_id=request.request_id,
+            voice=self.net.voices[name],
+            ode=ode,
+            windows=windows,
+            noise=RequestNoise(random.randrange(2**63) if seed is None else seed, self.net.mel_dim),
+            max_codes=self.max_codes,
+            repeats=self.net.repeats,
+            arrival=request.arrival,
+        )
+
+    def add(self, request: StageRequest) -> None:
+        rid = request.request_id
+        try:
+            if rid in self.requests:
+                raise ValueError(f"request {rid!r} is already in token2wav")
+            state = self._new_request(request)
+            if request.inputs.get("codes") is not None:
+                self._take_codes(state, request.inputs["codes"], last=True)
+        except InvalidRequestError as exc:
+            self._pending.append(Emission(rid, finished=True, error=str(exc), error_kind="invalid_request"))
+            return
+        self.requests[rid] = state
+
+    def _take_codes(self, state: Token2WavRequest, chunk: Any, last: bool) -> None:
+        if state.ended:
+            return
+        codes = _codes_of(chunk)
+        cut = next((i for i, c in enumerate(codes) if c in self.end_codes), None)
+        if cut is not None:
+            codes, last = codes[:cut], True
+        state.add_codes(codes, self.net.num_codes)
+        state.ended = last
+        if state.windows.full and state.known > self.net.max_frames:
+            raise InvalidRequestError(
+                f"full mode decodes at most {self.net.max_frames // state.repeats} codec tokens", param="mode"
+            )
+
+    def feed(self, request_id: str, port: str, chunk: Any, last: bool) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        try:
+            self._take_codes(state, chunk, last)
+        except InvalidRequestError as exc:
+            del self.requests[request_id]
+            self._pending.append(Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request"))
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._pending = [e for e in self._pending if e.request_id != request_id]
+
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    def has_work(self) -> bool:
+        block = self.net.block_frames
+        return bool(self._pending) or any(
+            s.done or s.next_window(block) is not None or s.vocoder_window() is not None for s in self.requests.values()
+        )
+
+    # -- stepping -------------------------------------------------------------------------
+    def _pick_windows(self) -> list[tuple[Token2WavRequest, Span, Any]]:
+        """Ready DiT windows for one forward: oldest request first, one window per request per
+        round, all with the first pick's ODE settings, at most max_batch_size windows."""
+        block = self.net.block_frames
+        queue = sorted(self.requests.values(), key=lambda s: s.arrival)
+        cursor = {s.request_id: s.written for s in queue}
+        picked: list[tuple[Token2WavRequest, Span, Any]] = []
+        ode = None
+        while len(picked) < self.max_windows:
+            added = False
+            for state in queue:
+                if len(picked) >= self.max_windows or (ode is not None and state.ode != ode):
+                    continue
+                nxt = state.next_window(block, after=cursor[state.request_id])
+                if nxt is None:
+                    continue
+                ode = state.ode
+                picked.append((state, *nxt))
+                cursor[state.request_id] = nxt[0].end
+                added = True
+            if not added:
+                break
+        return picked
+
+    def step(self) -> list[Emission]:
+        emissions, self._pending = self._pending, []
+        picked = self._pick_windows()
+        if picked:
+            t0 = time.perf_counter()
+            try:
+                mels = self.net.sample_mels([w for _, _, w in picked], picked[0][0].ode)
+            except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the stage lives
+                return emissions + self._fail({s.request_id for s, _, _ in picked}, exc)
+            for (state, span, _), mel in zip(picked, mels):
+                state.take_mel(span, mel)
+            self._record(picked, time.perf_counter() - t0)
+        emissions += self._vocode_ready()
+        return emissions
+
+    def _record(self, picked, seconds: float) -> None:
+        frames = [w.noise.shape[0] for _, _, w in picked]
+        self.totals["forwards"] += 1
+        self.totals["windows"] += len(picked)
+        self.totals["max_windows_per_forward"] = max(self.totals["max_windows_per_forward"], len(picked))
+        ids = tuple(s.request_id for s, _, _ in picked)
+        self.step_log.append(StepRecord(ids, len(picked), seconds, {"frames": frames}))
+
+    def _vocode_ready(self) -> list[Emission]:
+        """Vocode every request's ready window (equal lengths share a forward) and emit audio;
+        finished requests leave."""
+        ready: dict[int, list[tuple[Token2WavRequest, Span, torch.Tensor]]] = {}
+        for state in self.requests.values():
+            win = state.vocoder_window()
+            if win is not None:
+                ready.setdefault(win[1].shape[0], []).append((state, *win))
+        audio: dict[str, torch.Tensor] = {}
+        failed: set[str] = set()
+        per = self.net.samples_per_frame
+        for group in ready.values():
+            try:
+                waves = self.net.vocode([mel for _, _, mel in group])
+            except Exception as exc:  # noqa: BLE001
+                failed |= {s.request_id for s, _, _ in group}
+                error = exc
+                continue
+            for (state, span, _), wave in zip(group, waves):
+                audio[state.request_id] = wave[
+                    (span.start - span.read_start) * per : (span.end - span.read_start) * per
+                ]
+                state.vocoded = span.end
+        out = self._fail(failed, error) if failed else []
+        for rid, state in list(self.requests.items()):
+            if rid in audio or state.done:
+                chunk = audio.get(rid, torch.zeros(0))
+                self.totals["audio_seconds"] += chunk.numel() / self.sample_rate
+                out.append(Emission(rid, outputs={"audio": chunk}, finished=state.done))
+                if state.done:
+                    del self.requests[rid]
+        return out
+
+    def _fail(self, request_ids: set[str], exc: BaseException) -> list[Emission]:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+        msg = f"{type(exc).__name__}: {exc}"
+        return [Emission(rid, finished=True, error=msg, error_kind="internal") for rid in sorted(request_ids)]
+
+    def stats(self) -> dict[str, float]:
+        return {f"token2wav_{k}": float(v) for k, v in self.totals.items()} | {"token2wav_requests": len(self.requests)}

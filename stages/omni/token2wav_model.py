@@ -1,0 +1,252 @@
+"""Qwen2.5-Omni token2wav networks, loaded by prefix, driven window by window.
+
+The network modules are transformers' own (`Qwen2_5OmniToken2WavDiTModel`,
+`Qwen2_5OmniToken2WavBigVGANModel`); this module composes their parts so that one forward
+carries several windows of different requests: each window has its own codes, noise slice,
+voice and length, padded to the batch's longest with the padding masked out of attention
+(attention is the DiT's only op that mixes positions). The ODE (fixed-grid RK4 with the
+model's sway-shifted time grid and classifier-free guidance) is run here, as the model
+defines it, so a window's mel depends only on its own codes and noise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from omnistage.stages.ar.loader import checkpoint_files
+
+SAMPLE_RATE = 24_000
+# A key column the DiT's block mask always rejects (it accepts differences within one block).
+_MASKED = 1 << 30
+
+
+@dataclass(frozen=True)
+class Voice:
+    """One speaker of spk_dict.pt, with its speaker-encoder outputs computed once."""
+
+    name: str
+    cond: torch.Tensor  # [enc_emb_dim] x-vector the DiT reads at every frame
+    ref_mel: torch.Tensor  # [T, mel_dim] reference mel
+    spk_vec: torch.Tensor  # [enc_dim] ECAPA(ref_mel)
+    null_spk_vec: torch.Tensor  # [enc_dim] ECAPA(zeros): the unconditioned half of guidance
+
+
+@dataclass(frozen=True)
+class OdeSettings:
+    """How the flow-matching ODE is integrated (the model's defaults)."""
+
+    num_steps: int = 10
+    guidance_scale: float = 0.5
+    sway_coefficient: float = -1.0
+
+
+@dataclass
+class DitWindow:
+    """A block-aligned span of one request to decode: its codes and their noise rows."""
+
+    codes: torch.Tensor  # [n] int64
+    noise: torch.Tensor  # [repeats * n, mel_dim] float32
+    voice: Voice
+
+
+def time_grid(settings: OdeSettings, device: torch.device) -> torch.Tensor:
+    t = torch.linspace(0, 1, settings.num_steps, device=device, dtype=torch.float32)
+    if settings.sway_coefficient is not None:
+        t += settings.sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
+    return t
+
+
+def rk4_solve(velocity, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Integrate dx/dt = velocity(t, x) over `grid` with the 3/8-rule RK4 step the model uses
+    (four evaluations per interval, same arithmetic order)."""
+    third, two_thirds = 1 / 3, 2 / 3
+    for t0, t1 in zip(grid[:-1], grid[1:]):
+        dt = t1 - t0
+        k1 = velocity(t0, x)
+        k2 = velocity(t0 + dt * third, x + dt * k1 * third)
+        k3 = velocity(t0 + dt * two_thirds, x + dt * (k2 - k1 * third))
+        k4 = velocity(t1, x + dt * (k1 - k2 + k3))
+        x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+    return x
+
+
+def _block_diff(lengths: list[int], block: int, device: torch.device) -> torch.Tensor:
+    """[b, 1, L, L] block differences (key block - query block) of windows padded to L; a real
+    query's padded keys get a value the mask rejects, padded queries see everything."""
+    longest = max(lengths)
+    blocks = torch.arange(longest, device=device) // block
+    base = blocks[None, :] - blocks[:, None]
+    out = base.repeat(len(lengths), 1, 1)
+    for i, n in enumerate(lengths):
+        out[i, :n, n:] = _MASKED
+        out[i, n:, :] = 0
+    return out.unsqueeze(1)
+
+
+class Token2WavNet:
+    """The DiT and BigVGAN of one checkpoint, with its voices, on one device (float32)."""
+
+    def __init__(self, dit, bigvgan, voices: dict[str, dict[str, torch.Tensor]], device: torch.device):
+        self.dit = dit.to(device=device, dtype=torch.float32).eval()
+        self.bigvgan = bigvgan.to(device=device, dtype=torch.float32).eval()
+        self.device = device
+        cfg = dit.config
+        self.block_frames = int(cfg.block_size)
+        self.repeats = int(cfg.repeats)
+        self.mel_dim = int(cfg.mel_dim)
+        self.num_codes = int(cfg.num_embeds)  # valid code ids: 0 .. num_embeds - 1
+        self.max_frames = int(cfg.max_position_embeddings)
+        self.samples_per_frame = math.prod(bigvgan.config.upsample_rates)
+        self.voices = {name: self._voice(name, entry) for name, entry in voices.items()}
+
+    @torch.no_grad()
+    def _voice(self, name: str, entry: dict[str, torch.Tensor]) -> Voice:
+        ref_mel = entry["ref_mel"].to(self.device, torch.float32).reshape(1, -1, self.mel_dim)
+        encoder = self.dit.input_embed.spk_encoder
+        return Voice(
+            name=name,
+            cond=entry["cond"].to(self.device, torch.float32).reshape(-1),
+            ref_mel=ref_mel[0],
+            spk_vec=encoder(ref_mel)[0],
+            null_spk_vec=encoder(torch.zeros_like(ref_mel))[0],
+        )
+
+    # -- DiT ------------------------------------------------------------------------------
+    def _conditioning(self, windows: list[DitWindow], longest: int, cfg: bool) -> dict[str, torch.Tensor]:
+        """Per-frame inputs that stay fixed along the ODE: [2b or b, L, *] (conditioned rows
+        first, then the unconditioned ones when guidance is on)."""
+        dev = self.device
+        codes = torch.zeros(len(windows), longest // self.repeats, dtype=torch.long, device=dev)
+        for i, w in enumerate(windows):
+            codes[i, : w.codes.numel()] = w.codes.to(dev)
+        embed = self.dit.text_embed
+        code_embed = embed(codes)
+        spk = torch.stack([w.voice.cond for w in windows])
+        vec = torch.stack([w.voice.spk_vec for w in windows])
+        if cfg:
+            code_embed = torch.cat([code_embed, embed(codes, drop_code=True)])
+            spk = torch.cat([spk, torch.zeros_like(spk)])
+            vec = torch.cat([vec, torch.stack([w.voice.null_spk_vec for w in windows])])
+        rows = code_embed.shape[0]
+        return {
+            "code_embed": code_embed,
+            "speaker": spk[:, None, :].expand(rows, longest, -1),
+            "spk_vec": vec[:, None, :].expand(rows, longest, -1),
+        }
+
+    def _dit_forward(self, x, t, cond, position_embeddings, block_diff) -> torch.Tensor:
+        dit = self.dit
+        rows = cond["code_embed"].shape[0]
+        time_embedding = dit.time_embed(t.reshape(1).repeat(rows))
+        if rows != x.shape[0]:
+            x = torch.cat([x, x])
+        h = dit.input_embed.proj(torch.cat((x, cond["spk_vec"], cond["code_embed"], cond["speaker"]), dim=-1))
+        for layer in dit.transformer_blocks:
+            h = layer(h, time_embedding, position_embeddings=position_embeddings, block_diff=block_diff)
+        return dit.proj_out(dit.norm_out(h, time_embedding))
+
+    @torch.no_grad()
+    def sample_mels(self, windows: list[DitWindow], settings: OdeSettings) -> list[torch.Tensor]:
+        """Solve the ODE for a batch of windows in shared forwards; each window's mel
+        [frames, mel_dim] (on the device)."""
+        lengths = [w.noise.shape[0] for w in windows]
+        longest = max(lengths)
+        if longest > self.max_frames:
+            raise ValueError(f"a window of {longest} mel frames exceeds the DiT's {self.max_frames}")
+        cfg = settings.guidance_scale >= 1e-5
+        cond = self._conditioning(windows, longest, cfg)
+        rows = cond["code_embed"].shape[0]
+        x = torch.zeros(len(windows), longest, self.mel_dim, device=self.device)
+        for i, w in enumerate(windows):
+            x[i, : lengths[i]] = w.noise.to(self.device)
+        positions = torch.arange(longest, device=self.device)[None, :].repeat(rows, 1)
+        position_embeddings = self.dit.rotary_embed(x, positions)
+        block_diff = _block_diff(lengths * (2 if cfg else 1), self.block_frames, self.device)
+        block_diff = block_diff.expand(rows, self.dit.num_attention_heads, longest, longest)
+        scale = settings.guidance_scale
+
+        def velocity(t, state):
+            out = self._dit_forward(state, t, cond, position_embeddings, block_diff)
+            if not cfg:
+                return out
+            guided, null = torch.chunk(out, 2, dim=0)
+            return guided + (guided - null) * scale
+
+        mel = rk4_solve(velocity, x, time_grid(settings, self.device))
+        return [mel[i, :n] for i, n in enumerate(lengths)]
+
+    # -- BigVGAN --------------------------------------------------------------------------
+    @torch.no_grad()
+    def vocode(self, mels: list[torch.Tensor]) -> torch.Tensor:
+        """Waveforms [b, frames * samples_per_frame] (CPU) of equally long mel windows."""
+        batch = torch.stack(mels).transpose(1, 2)  # [b, mel_dim, frames]
+        return self.bigvgan(batch).reshape(len(mels), -1)
+
+
+# -- loading ------------------------------------------------------------------------------
+def token2wav_config(model_path: str):
+    """(Qwen2_5OmniToken2WavConfig, default weight prefix) of a full Qwen2.5-Omni directory
+    ("token2wav.") or of a standalone token2wav one ("")."""
+    from transformers import Qwen2_5OmniToken2WavConfig
+
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    if "token2wav_config" in raw:
+        return Qwen2_5OmniToken2WavConfig(**raw["token2wav_config"]), "token2wav."
+    if "dit_config" in raw:
+        return Qwen2_5OmniToken2WavConfig(**{k: raw[k] for k in ("dit_config", "bigvgan_config") if k in raw}), ""
+    raise ValueError(f"{model_path}/config.json holds no token2wav config (token2wav_config or dit_config)")
+
+
+def _prefixed_state(model_path: str, prefix: str) -> dict[str, torch.Tensor]:
+    state = {}
+    for path in checkpoint_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.startswith(prefix):
+                    state[key[len(prefix) :]] = f.get_tensor(key)
+    return state
+
+
+def load_voices(model_path: str, voices_file: str | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    path = Path(voices_file) if voices_file else Path(model_path) / "spk_dict.pt"
+    if not path.exists():
+        raise FileNotFoundError(f"no voices: {path} does not exist")
+    voices = torch.load(path, map_location="cpu", weights_only=True)
+    bad = [name for name, v in voices.items() if not {"cond", "ref_mel"} <= set(v)]
+    if bad or not voices:
+        raise ValueError(f"{path}: every voice needs 'cond' and 'ref_mel' (bad: {bad or 'no voices'})")
+    return voices
+
+
+def load_token2wav(
+    model_path: str,
+    device: torch.device,
+    weight_prefix: str | None = None,
+    voices_file: str | None = None,
+) -> Token2WavNet:
+    """Build the DiT and BigVGAN from `model_path` and fill them from the tensors named
+    `<prefix>code2wav_dit_model.*` / `<prefix>code2wav_bigvgan_model.*` (strict)."""
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    config, default_prefix = token2wav_config(model_path)
+    prefix = default_prefix if weight_prefix is None else weight_prefix
+    config._attn_implementation = "sdpa"
+    model = Qwen2_5OmniToken2WavModel(config)
+    state = _prefixed_state(model_path, prefix)
+    if not state:
+        raise ValueError(f"checkpoint {model_path} has no tensors under the prefix {prefix!r}")
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys:
+        raise ValueError(
+            f"checkpoint {model_path} (prefix {prefix!r}) lacks {len(result.missing_keys)} token2wav weights, "
+            f"e.g. {result.missing_keys[:3]}"
+        )
+    return Token2WavNet(
+        model.code2wav_dit_model, model.code2wav_bigvgan_model, load_voices(model_path, voices_file), device
+    )

@@ -1,0 +1,133 @@
+"""token2wav stage vs transformers' Qwen2_5OmniToken2WavModel on a tiny checkpoint: the exact
+full-sequence mode, streaming windows against the full decode, windows of several requests
+in one forward, waiting for codes, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .token2wav_checkpoint import CODEC_VOCAB, build_token2wav_checkpoint, decode, make_stage, snr_db
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_token2wav_checkpoint(tmp_path_factory.mktemp("token2wav"))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    return Qwen2_5OmniToken2WavModel.from_pretrained(str(ckpt)).eval()
+
+
+def codes_of(n: int, seed: int) -> list[int]:
+    return torch.randint(0, CODEC_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_waveform(reference, ckpt, codes: list[int], voice: str, seed: int) -> torch.Tensor:
+    spk = torch.load(ckpt / "spk_dict.pt", weights_only=True)[voice]
+    torch.manual_seed(seed)  # transformers draws the ODE's noise from the global generator
+    with torch.no_grad():
+        wav = reference(torch.tensor([codes]), conditioning=spk["cond"], reference_mel=spk["ref_mel"])
+    return wav.reshape(-1)
+
+
+@pytest.mark.parametrize("voice,n", [("Chelsie", 61), ("Ethan", 100)])
+def test_full_mode_equals_transformers(ckpt, reference, voice, n):
+    codes = codes_of(n, seed=n)
+    want = hf_waveform(reference, ckpt, codes, voice, seed=5)
+    assert want.abs().max() > 0.05  # a waveform that would show a wrong window or noise
+    got, errors = decode(make_stage(ckpt), {"r": (codes, {"mode": "full", "voice": voice, "seed": 5})})
+    assert not errors
+    assert got["r"].shape == want.shape == (n * 2 * 240,)
+    assert (got["r"] - want).abs().max() <= 1e-5
+
+
+def test_streaming_default_context_against_full_decode(ckpt):
+    codes = codes_of(150, seed=1)
+    stage = make_stage(ckpt)
+    full, _ = decode(stage, {"f": (codes, {"mode": "full", "seed": 9, "voice": "Ethan"})})
+    streamed, errors = decode(stage, {"s": (codes, {"seed": 9, "voice": "Ethan"})}, chunk=7)
+    assert not errors
+    assert streamed["s"].shape == full["f"].shape
+    snr = snr_db(streamed["s"], full["f"])
+    assert snr >= 80, snr
+    # windows, not one decode: the first audio left after the first window's codes
+    assert stage.totals["windows"] > 4
+
+
+def test_output_independent_of_input_chunking(ckpt):
+    codes = codes_of(90, seed=2)
+    results = [decode(make_stage(ckpt), {"r": (codes, {"seed": 3})}, chunk=c)[0]["r"] for c in (1, 13, None)]
+    for other in results[1:]:
+        assert (other - results[0]).abs().max() <= 1e-6
+
+
+def test_windows_of_several_requests_share_forwards_and_equal_solo(ckpt):
+    requests = {
+        "a": (codes_of(70, 11), {"voice": "Chelsie", "seed": 1}),
+        "b": (codes_of(131, 12), {"voice": "Ethan", "seed": 2, "first_window_blocks": 1}),
+        "c": (codes_of(45, 13), {"voice": "Ethan", "seed": 3, "mode": "full"}),
+        "d": (codes_of(100, 14), {"speaker": "Chelsie", "seed": 4, "past_blocks": 3, "future_blocks": 2}),
+    }
+    stage = make_stage(ckpt, max_batch_size=8)
+    together, errors = decode(stage, requests)  # all codes at once: every request has windows ready
+    assert not errors
+    shared = [rec for rec in stage.step_log if len(set(rec.request_ids)) == 4]
+    assert shared, [rec.request_ids for rec in stage.step_log]
+    assert stage.totals["max_windows_per_forward"] == 8
+    for rid, req in requests.items():
+        alone, _ = decode(make_stage(ckpt), {rid: req}, chunk=9)
+        assert together[rid].shape == alone[rid].shape == (len(req[0]) * 480,)
+        assert (together[rid] - alone[rid]).abs().max() <= 1e-5, rid
+
+
+def test_waiting_request_holds_nobody_up(ckpt):
+    from omnistage.stages.base import StageRequest
+
+    stage = make_stage(ckpt, params={"first_window_blocks": 2, "future_blocks": 1})
+    stage.add(StageRequest("slow", inputs={}, params={"seed": 1}))
+    stage.feed("slow", "codes", codes_of(35, 1), last=False)  # a 2-block window + 1 block needs 36
+    assert not stage.has_work()
+    stage.add(StageRequest("fast", inputs={"codes": codes_of(30, 2)}, params={"seed": 2}))
+    done = {}
+    while stage.has_work():
+        for em in stage.step():
+            done.setdefault(em.request_id, []).append(em)
+    assert done["fast"][-1].finished and "slow" not in done
+    stage.feed("slow", "codes", [5], last=False)  # now 36 codes: the first window is ready
+    ems = stage.step()
+    assert [e.request_id for e in ems] == ["slow"] and ems[0].outputs["audio"].numel() > 0
+    assert not ems[0].finished and not stage.has_work()
+
+
+def test_bad_input_fails_only_its_request(ckpt):
+    stage = make_stage(ckpt)
+    good = codes_of(20, 3)
+    out, errors = decode(
+        stage,
+        {
+            "voice": (good, {"voice": "Nobody"}),
+            "code": (good[:5] + [CODEC_VOCAB + 3] + good[5:], {}),
+            "param": (good, {"num_steps": "ten"}),
+            "unknown": (good, {"temperature": 0.5}),
+            "ok": (good, {"seed": 1}),
+        },
+        chunk=8,
+    )
+    assert set(errors) == {"voice", "code", "param", "unknown"}
+    assert all(kind == "invalid_request" for kind, _ in errors.values())
+    assert "Nobody" in errors["voice"][1] and "Chelsie" in errors["voice"][1]
+    assert out["ok"].numel() == 20 * 480
+    assert stage.num_requests() == 0
+
+
+def test_end_code_ends_the_stream(ckpt):
+    codes = codes_of(40, 4)
+    stage = make_stage(ckpt, params={"end_codes": [CODEC_VOCAB + 2]})
+    cut, _ = decode(stage, {"r": (codes + [CODEC_VOCAB + 2, 1, 2, 3], {"seed": 1})}, chunk=6)
+    plain, _ = decode(stage, {"r": (codes, {"seed": 1})}, chunk=6)
+    assert cut["r"].shape == (40 * 480,)
+    assert (cut["r"] - plain["r"]).abs().max() <= 1e-6
