@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from omnistage.stages.params import NO_PARAMS, ParamSet
+
+if TYPE_CHECKING:  # the graph layer sits above this one: the type only, no import at run time
+    from omnistage.graph.spec import BatchingSpec
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class StageContext:
     model_prefix: str | None
     device: torch.device
     dtype: torch.dtype
-    batching: Any  # omnistage.graph.spec.BatchingSpec
+    batching: BatchingSpec  # its defaults are the spec's; engines read the fields directly
     params: dict[str, Any]
     replica_index: int = 0
 
@@ -78,6 +83,7 @@ class Emission:
     # "invalid_request": the request's own fault (HTTP 400); "internal": the stage failed (500).
     error_kind: str = "internal"
     progress: tuple[int, int] | None = None
+    param: str | None = None  # the request parameter an invalid_request error is about
 
 
 @dataclass
@@ -93,8 +99,10 @@ class StepRecord:
 class StageEngine:
     """Base class of every stage kind. Subclasses register with @register_stage("kind").
 
-    Class attributes declare the ports (used by YAML validation without building anything)
-    and the batching policies the kind supports. `ports(params)` may refine them from params.
+    Class attributes declare the ports (used by YAML validation without building anything),
+    the batching policies the kind supports, and its parameters (stages/params.py):
+    `stage_params` for the YAML `params:`, `request_params` for what one request may send.
+    `ports(params)` may refine the ports from params.
     """
 
     kind: ClassVar[str] = ""
@@ -102,6 +110,8 @@ class StageEngine:
     outputs: ClassVar[dict[str, Port]] = {}
     batching_policies: ClassVar[tuple[str, ...]] = ("dynamic", "none")
     needs_model: ClassVar[bool] = False
+    stage_params: ClassVar[ParamSet] = NO_PARAMS
+    request_params: ClassVar[ParamSet] = NO_PARAMS
 
     def __init__(self, ctx: StageContext):
         self.ctx = ctx
@@ -113,8 +123,9 @@ class StageEngine:
 
     @classmethod
     def validate_params(cls, params: dict[str, Any]) -> list[str]:
-        """Problems with stage-level params from the YAML (messages, no positions)."""
-        return []
+        """Problems with stage-level params from the YAML (messages, no positions). Kinds whose
+        params depend on each other add their own checks on top of the declared ones."""
+        return cls.stage_params.problems(params)
 
     # -- the protocol ---------------------------------------------------------------------
     def add(self, request: StageRequest) -> None:

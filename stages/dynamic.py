@@ -44,9 +44,9 @@ class DynamicBatchEngine(StageEngine):
     def __init__(self, ctx: StageContext):
         super().__init__(ctx)
         b = ctx.batching
-        policy = getattr(b, "policy", "dynamic")
-        self.max_batch_size = max(1, int(getattr(b, "max_batch_size", 8))) if policy == "dynamic" else 1
-        self.max_wait_s = max(0.0, float(getattr(b, "max_wait_ms", 0.0)) / 1000.0) if policy == "dynamic" else 0.0
+        dynamic = b.policy == "dynamic"
+        self.max_batch_size = max(1, b.max_batch_size) if dynamic else 1
+        self.max_wait_s = max(0.0, b.max_wait_ms / 1000.0) if dynamic else 0.0
         in_ports, _ = self.ports(ctx.params)
         self._required_streams = {n for n, p in in_ports.items() if p.streaming and not p.optional}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()

@@ -37,9 +37,11 @@ from typing import Any
 
 import torch
 
+from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageContext, StageRequest, StepRecord
 from omnistage.stages.contracts import PORT_TYPES, error_emission
 from omnistage.stages.dynamic import DynamicBatchEngine
+from omnistage.stages.params import NO_PARAMS, Param, ParamSet
 from omnistage.stages.registry import register_stage
 
 BATCH_MODES = ("none", "stack", "list")
@@ -60,26 +62,92 @@ def _port_map(params: dict[str, Any], key: str, default: dict[str, str], streami
     return {name: Port(type_, streaming=name in streaming) for name, type_ in spec.items()}
 
 
-def _check_ports(params: dict[str, Any]) -> list[str]:
-    problems = []
-    for key in ("inputs", "outputs"):
-        ports = params.get(key)
-        if ports is None:
-            continue
-        if not isinstance(ports, dict) or not ports:
-            problems.append(f"params.{key} must be a non-empty mapping port -> type")
-            continue
-        for name, type_ in ports.items():
-            if type_ not in PORT_TYPES:
-                problems.append(f"params.{key}.{name}: unknown port type {type_!r} (known: {', '.join(PORT_TYPES)})")
+def _port_types_problem(ports: dict[str, Any]) -> str | None:
+    if not ports:
+        return "must be a non-empty mapping port -> type"
+    bad = [f"{name}: {type_!r}" for name, type_ in ports.items() if type_ not in PORT_TYPES]
+    return f"has unknown port types ({', '.join(bad)}; known: {', '.join(PORT_TYPES)})" if bad else None
+
+
+def _factory_problem(ref: str) -> str | None:
+    module_name, _, attr = ref.partition(":")
+    return None if module_name and attr else "must look like 'package.module:callable'"
+
+
+def _streaming_ports_declared(values: dict[str, Any]) -> tuple[str, str] | None:
     for key, side in (("streaming_inputs", "inputs"), ("streaming_outputs", "outputs")):
-        names = params.get(key) or []
-        declared = params.get(side) or {}
-        if declared:
-            for n in names:
-                if n not in declared:
-                    problems.append(f"params.{key}: {n!r} is not one of params.{side}")
-    return problems
+        declared = values.get(side) or {}
+        for name in values.get(key) or () if declared else ():
+            if name not in declared:
+                return key, f"{key}: {name!r} is not one of params.{side}"
+    return None
+
+
+def _noop_ports_pair(values: dict[str, Any]) -> tuple[str, str] | None:
+    ins, outs = values.get("inputs"), values.get("outputs")
+    if ins and outs and len(ins) != len(outs):
+        return "outputs", "noop: params.inputs and params.outputs must have the same number of ports"
+    return None
+
+
+_PORT_PARAMS = (
+    Param(
+        "inputs",
+        "mapping",
+        None,
+        "Input ports {port: type}; default {x: tensor} ({x: any} for noop).",
+        nullable=True,
+        check=_port_types_problem,
+    ),
+    Param(
+        "outputs",
+        "mapping",
+        None,
+        "Output ports {port: type}; default {y: tensor} (noop: as inputs).",
+        nullable=True,
+        check=_port_types_problem,
+    ),
+    Param("streaming_inputs", "string_list", [], "Input ports that accept chunks (streaming edges)."),
+    Param("streaming_outputs", "string_list", [], "Output ports emitted in several chunks."),
+)
+
+TORCH_MODULE_PARAMS = ParamSet(
+    "torch_module",
+    (
+        Param(
+            "factory",
+            "string",
+            None,
+            "'package.module:callable' building the module in the worker.",
+            required=True,
+            check=_factory_problem,
+        ),
+        Param("kwargs", "mapping", {}, "Keyword arguments of the factory."),
+        *_PORT_PARAMS,
+        Param(
+            "batch",
+            "string",
+            "none",
+            "How a dynamic batch calls the module (see stages/generic.py).",
+            choices=BATCH_MODES,
+        ),
+        Param("pass_params", "boolean", False, "Call m(**inputs, params=request_params)."),
+        Param("per_chunk", "boolean", False, "With streaming inputs: call the module on every chunk."),
+    ),
+    rules=(_streaming_ports_declared,),
+)
+
+NOOP_PARAMS = ParamSet(
+    "noop",
+    (
+        *_PORT_PARAMS,
+        Param("per_chunk", "boolean", True, "With streaming inputs: pass each chunk on as it arrives."),
+    ),
+    rules=(_streaming_ports_declared, _noop_ports_pair),
+)
+
+# torch_module with pass_params: the module reads (and checks) its own request params.
+MODULE_REQUEST_PARAMS = ParamSet("torch_module request", open=True)
 
 
 class _CallableEngine(DynamicBatchEngine):
@@ -111,6 +179,7 @@ class _CallableEngine(DynamicBatchEngine):
         self._chunks: deque[tuple[str, str, Any, bool]] = deque()
         self._chunked: dict[str, StageRequest] = {}
         self.chunks_total = 0
+        self._rejected: list[Emission] = []  # requests with bad params, reported on the next step
 
     def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
         raise NotImplementedError
@@ -125,7 +194,15 @@ class _CallableEngine(DynamicBatchEngine):
         return {self.output_names[0]: result}
 
     # per-chunk streaming ----------------------------------------------------------------
+    def accepted_request_params(self) -> ParamSet:
+        return self.request_params
+
     def add(self, request: StageRequest) -> None:
+        try:
+            self.accepted_request_params().validate(request.params, fill_defaults=False)
+        except InvalidRequestError as exc:
+            self._rejected.append(error_emission(request.request_id, exc))
+            return
         if self.per_chunk:
             self._chunked[request.request_id] = request
         else:
@@ -139,20 +216,21 @@ class _CallableEngine(DynamicBatchEngine):
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
+        self._rejected = [e for e in self._rejected if e.request_id != request_id]
         if self._chunked.pop(request_id, None) is not None:
             self._chunks = deque(c for c in self._chunks if c[0] != request_id)
 
     def has_work(self) -> bool:
-        return bool(self._chunks) or super().has_work()
+        return bool(self._chunks or self._rejected) or super().has_work()
 
     def next_wakeup(self):
-        return 0.0 if self._chunks else super().next_wakeup()
+        return 0.0 if self._chunks or self._rejected else super().next_wakeup()
 
     def num_requests(self) -> int:
-        return super().num_requests() + len(self._chunked)
+        return super().num_requests() + len(self._chunked) + len(self._rejected)
 
     def step(self) -> list[Emission]:
-        emissions: list[Emission] = []
+        emissions, self._rejected = self._rejected, []
         if self._chunks:
             t0 = time.perf_counter()
             rids = []
@@ -188,17 +266,8 @@ class _CallableEngine(DynamicBatchEngine):
 
 @register_stage("torch_module")
 class TorchModuleEngine(_CallableEngine):
-    @classmethod
-    def validate_params(cls, params):
-        problems = _check_ports(params)
-        factory = params.get("factory")
-        if not isinstance(factory, str) or ":" not in factory:
-            problems.append("params.factory is required: 'package.module:callable'")
-        if params.get("batch", "none") not in BATCH_MODES:
-            problems.append(f"params.batch must be one of {', '.join(BATCH_MODES)}")
-        if not isinstance(params.get("kwargs", {}), dict):
-            problems.append("params.kwargs must be a mapping")
-        return problems
+    stage_params = TORCH_MODULE_PARAMS
+    request_params = MODULE_REQUEST_PARAMS
 
     def __init__(self, ctx: StageContext):
         super().__init__(ctx)
@@ -209,6 +278,9 @@ class TorchModuleEngine(_CallableEngine):
         self.module = module
         self.batch_mode = p.get("batch", "none")
         self.pass_params = bool(p.get("pass_params", False))
+
+    def accepted_request_params(self) -> ParamSet:
+        return MODULE_REQUEST_PARAMS if self.pass_params else NO_PARAMS
 
     def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
         if self.pass_params:
@@ -250,13 +322,7 @@ class NoopEngine(_CallableEngine):
     default_inputs = {"x": "any"}
     default_outputs = {"x": "any"}
 
-    @classmethod
-    def validate_params(cls, params):
-        problems = _check_ports(params)
-        ins, outs = cls.ports(params)
-        if len(ins) != len(outs):
-            problems.append("noop: params.inputs and params.outputs must have the same number of ports")
-        return problems
+    stage_params = NOOP_PARAMS
 
     def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
         return {o: inputs.get(i) for i, o in zip(self.in_ports, self.output_names)}

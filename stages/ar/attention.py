@@ -294,7 +294,6 @@ def paged_attention(
     out_only: q holds only the rows of meta.out_rows (in that order) and so does the output."""
     n_tok, n_heads, d = q.shape
     kvh = k.shape[1]
-    group = n_heads // kvh
     num_slots = kv_cache.shape[2]
     # [2, kvh, slots, d] viewed as [2 * kvh, slots, d]: one index op writes K and V together.
     flat = kv_cache.view(2 * kvh, num_slots, d)
@@ -305,44 +304,67 @@ def paged_attention(
     by_block = kv_cache.view(2 * kvh, -1, meta.block_size * d)
     out = torch.empty(n_tok, n_heads, d, dtype=q.dtype, device=q.device)
 
-    plan = meta.buffer_plan
-    if plan is not None:
-        nd = meta.num_decodes
-        buf = plan.buffers[layer_index]
-        R = plan.num_rows
-        if plan.rebuild_block_ids is not None:
-            L = plan.rebuild_len
-            buf[:, :, :R, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
-        else:
-            new_kv = kv[:nd].view(nd, 2, kvh, d).permute(1, 2, 0, 3)  # [2, kvh, B, d]
-            buf[:, :, plan.token_rows, plan.token_pos] = new_kv
-        q_rows = q.new_zeros(R, n_heads, d)
-        q_rows[plan.token_rows] = q[:nd]
-        q_rows = q_rows.view(R, kvh, group, d).transpose(0, 1)  # [kvh, R, group, d]
-        o_rows = torch.empty(kvh, R, group, d, dtype=q.dtype, device=q.device)
-        for a, b, L, mask in plan.groups:
-            o_rows[:, a:b] = F.scaled_dot_product_attention(
-                q_rows[:, a:b], buf[0, :, a:b, :L], buf[1, :, a:b, :L], attn_mask=mask, scale=scale
-            )
-        out[:nd] = o_rows.transpose(0, 1).reshape(R, n_heads, d)[plan.token_rows]
-
+    if meta.buffer_plan is not None:
+        _buffered_decodes(q, kv, by_block, meta, layer_index, scale, out)
     if out_only:
-        j = meta.num_decodes
-        for p in meta.prefills:
-            if not p.needs_output:
-                continue
-            rows = slice(p.token_start, p.token_start + p.num_tokens)
-            q_last = q[j : j + 1].transpose(0, 1).unsqueeze(0)  # [1, H, 1, d]: sees the whole chunk
-            if p.context_len == 0:
-                kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
-            else:
-                total = p.context_len + p.num_tokens
-                kv = torch.index_select(by_block, 1, p.block_ids).view(2, 1, kvh, -1, d)[:, :, :, :total]
-                kp, vp = kv[0], kv[1]
-            o = F.scaled_dot_product_attention(q_last, kp, vp, scale=scale, enable_gqa=True)
-            out[j] = o[0, :, 0]
-            j += 1
+        _last_rows_of_prefills(q, k, v, by_block, meta, scale, out)
+    _grouped_decodes(q, by_block, meta, scale, out)
+    if not out_only:
+        _prefills(q, k, v, by_block, meta, scale, out)
+    return out.view(n_tok, n_heads * d)
 
+
+def _buffered_decodes(q, kv, by_block, meta: AttentionMetadata, layer_index: int, scale: float, out) -> None:
+    """Decode rows attend over the contiguous decode buffer (appended to, or rebuilt)."""
+    _, n_heads, d = q.shape
+    plan = meta.buffer_plan
+    nd = meta.num_decodes
+    buf = plan.buffers[layer_index]
+    kvh = buf.shape[1]
+    group = n_heads // kvh
+    R = plan.num_rows
+    if plan.rebuild_block_ids is not None:
+        L = plan.rebuild_len
+        buf[:, :, :R, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
+    else:
+        new_kv = kv[:nd].view(nd, 2, kvh, d).permute(1, 2, 0, 3)  # [2, kvh, B, d]
+        buf[:, :, plan.token_rows, plan.token_pos] = new_kv
+    q_rows = q.new_zeros(R, n_heads, d)
+    q_rows[plan.token_rows] = q[:nd]
+    q_rows = q_rows.view(R, kvh, group, d).transpose(0, 1)  # [kvh, R, group, d]
+    o_rows = torch.empty(kvh, R, group, d, dtype=q.dtype, device=q.device)
+    for a, b, L, mask in plan.groups:
+        o_rows[:, a:b] = F.scaled_dot_product_attention(
+            q_rows[:, a:b], buf[0, :, a:b, :L], buf[1, :, a:b, :L], attn_mask=mask, scale=scale
+        )
+    out[:nd] = o_rows.transpose(0, 1).reshape(R, n_heads, d)[plan.token_rows]
+
+
+def _last_rows_of_prefills(q, k, v, by_block, meta: AttentionMetadata, scale: float, out) -> None:
+    """out_only: each prefill that needs logits contributes one query row (its last token)."""
+    kvh, d = k.shape[1], k.shape[2]
+    j = meta.num_decodes
+    for p in meta.prefills:
+        if not p.needs_output:
+            continue
+        rows = slice(p.token_start, p.token_start + p.num_tokens)
+        q_last = q[j : j + 1].transpose(0, 1).unsqueeze(0)  # [1, H, 1, d]: sees the whole chunk
+        if p.context_len == 0:
+            kp, vp = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+        else:
+            total = p.context_len + p.num_tokens
+            kv = torch.index_select(by_block, 1, p.block_ids).view(2, 1, kvh, -1, d)[:, :, :, :total]
+            kp, vp = kv[0], kv[1]
+        o = F.scaled_dot_product_attention(q_last, kp, vp, scale=scale, enable_gqa=True)
+        out[j] = o[0, :, 0]
+        j += 1
+
+
+def _grouped_decodes(q, by_block, meta: AttentionMetadata, scale: float, out) -> None:
+    """Decode rows without the buffer: groups of similar length gather their blocks."""
+    _, n_heads, d = q.shape
+    kvh = by_block.shape[0] // 2
+    group = n_heads // kvh
     for g in meta.decode_groups:
         b = g.num_seqs
         rows = slice(g.token_start, g.token_start + b)
@@ -352,7 +374,11 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=g.mask, scale=scale)
         out[rows] = o.transpose(0, 1).reshape(b, n_heads, d)
 
-    for p in meta.prefills if not out_only else ():
+
+def _prefills(q, k, v, by_block, meta: AttentionMetadata, scale: float, out) -> None:
+    """Prefill chunks: causal over themselves, or masked over their cached context too."""
+    kvh, d = k.shape[1], k.shape[2]
+    for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, T, d]
         if p.context_len == 0:
@@ -368,4 +394,3 @@ def paged_attention(
             kv = torch.index_select(by_block, 1, p.block_ids).view(2, 1, kvh, -1, d)
             o = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=p.mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
-    return out.view(n_tok, n_heads * d)

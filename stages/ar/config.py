@@ -3,19 +3,65 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from omnistage.errors import InvalidRequestError
+from omnistage.stages.params import Param, ParamSet
+
+
+def _min_tokens_le_max(values: dict[str, Any]) -> tuple[str, str] | None:
+    if values["min_tokens"] > values["max_tokens"]:
+        return "min_tokens", f"min_tokens must be <= max_tokens ({values['max_tokens']}), got {values['min_tokens']}"
+    return None
+
+
+SAMPLING_PARAMS = ParamSet(
+    "sampling",
+    (
+        Param("temperature", "number", 1.0, "Softmax temperature; 0 = greedy.", minimum=0),
+        Param("top_k", "integer", 0, "Keep the k most likely tokens; 0 or -1 = off.", minimum=-1),
+        Param("top_p", "number", 1.0, "Nucleus sampling mass.", minimum=0, maximum=1, exclusive_minimum=True),
+        Param("min_p", "number", 0.0, "Drop tokens below min_p x the top probability.", minimum=0, maximum=1),
+        Param(
+            "repetition_penalty",
+            "number",
+            1.0,
+            "Divide logits of seen tokens (HF rule).",
+            minimum=0,
+            exclusive_minimum=True,
+        ),
+        Param("presence_penalty", "number", 0.0, "Subtract once per generated token seen.", minimum=-2, maximum=2),
+        Param("frequency_penalty", "number", 0.0, "Subtract per occurrence in the output.", minimum=-2, maximum=2),
+        Param(
+            "seed", "integer", None, "Seed of this request's own generator (sequence i uses seed + i).", nullable=True
+        ),
+        Param("max_tokens", "integer", 16, "Most tokens to generate.", minimum=1),
+        Param("min_tokens", "integer", 0, "EOS and stop tokens are ignored before this many.", minimum=0),
+        Param("stop_token_ids", "integer_list", [], "Token ids that end a sequence.", minimum=0),
+        Param("ignore_eos", "boolean", False, "Keep generating past EOS."),
+        Param("n", "integer", 1, "Sequences per request (they share the prompt's KV blocks).", minimum=1),
+        Param(
+            "logprobs",
+            "integer",
+            None,
+            "Report this many top logprobs per token (and the sampled one's).",
+            minimum=0,
+            maximum=20,
+            nullable=True,
+        ),
+    ),
+    rules=(_min_tokens_le_max,),
+)
 
 
 @dataclass
 class SamplingParams:
-    """Per-request sampling options. temperature == 0 means greedy."""
+    """Per-request sampling options (declared in SAMPLING_PARAMS). temperature == 0 means greedy.
+
+    An instance is checked once, when it is built; `from_dict` checks a request's dict."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -40,58 +86,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        def bad(param: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{param}: {why}", param=param)
-
-        def is_num(x: Any) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        def is_int(x: Any) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be a number >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", f"must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not is_num(v) or not (-2.0 <= v <= 2.0):
-                raise bad(name, f"must be in [-2, 2], got {v!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", f"must be an integer or null, got {self.seed!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            is_int(t) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        SAMPLING_PARAMS.check_values(self.__dict__)
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", "must be a boolean")
-        if not is_int(self.n) or self.n < 1:
-            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0 or self.logprobs > 20):
-            raise bad("logprobs", f"must be an integer in [0, 20] or null, got {self.logprobs!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
-        d = dict(d or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise InvalidRequestError(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
-        try:
-            return cls(**d)
-        except TypeError as e:  # pragma: no cover - defensive
-            raise InvalidRequestError(str(e)) from e
+        """Checked against SAMPLING_PARAMS (unknown keys included) once, then built."""
+        return cls.from_checked(SAMPLING_PARAMS.validate(d))
+
+    @classmethod
+    def from_checked(cls, values: dict[str, Any]) -> SamplingParams:
+        """An instance from values SAMPLING_PARAMS already validated (no second check)."""
+        obj = cls.__new__(cls)
+        obj.__dict__.update(values)
+        obj.stop_token_ids = list(obj.stop_token_ids)
+        return obj
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

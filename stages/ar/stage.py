@@ -11,7 +11,6 @@ sequence's text, tokens and finish reason are in `info["choices"]`.
 
 from __future__ import annotations
 
-import difflib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,32 +18,82 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.ar.config import SAMPLING_PARAMS, SamplingParams
 from omnistage.stages.ar.text import OutputText, TextTokenizer, normalize_stop
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
+from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
-# Per-request params that are not sampling params.
-REQUEST_KEYS = ("stop", "cache_salt", "priority", "skip_special_tokens")
 
-# Stage params (YAML `params:`), with the type each must have.
-STAGE_PARAMS: dict[str, tuple[type, ...]] = {
-    "block_size": (int,),
-    "num_kv_blocks": (int,),
-    "kv_cache_bytes": (int, str),  # bytes, or a size like "512MiB"
-    "max_model_len": (int,),
-    "hidden_state_layers": (list, tuple),
-    "enable_prefix_caching": (bool,),
-    "weight_prefix": (str,),
-    "hf_config_key": (str,),
-}
+def _size_problem(value: int | str) -> str | None:
+    try:
+        return None if _parse_bytes(value) >= 1 else "must be a positive size"
+    except ValueError:
+        return "is not a size"
 
 
-def _sampling_keys() -> set[str]:
-    from dataclasses import fields
+STAGE_PARAMS = ParamSet(
+    "ar_lm",
+    (
+        Param("block_size", "integer", 16, "Tokens per KV-cache block.", minimum=1),
+        Param(
+            "num_kv_blocks",
+            "integer",
+            None,
+            "KV pool size in blocks (wins over kv_cache_bytes).",
+            minimum=1,
+            nullable=True,
+        ),
+        Param(
+            "kv_cache_bytes",
+            "size",
+            None,
+            "KV pool size in bytes; default: max_num_seqs full-length sequences, capped at 1 GiB.",
+            nullable=True,
+            check=_size_problem,
+        ),
+        Param(
+            "max_model_len",
+            "integer",
+            None,
+            "Context length; default: the model's max_position_embeddings, capped by the pool.",
+            minimum=1,
+            nullable=True,
+        ),
+        Param(
+            "hidden_state_layers",
+            "integer_list",
+            [],
+            "HF hidden-state indices to emit (0 = embeddings, "
+            "i = after layer i, num_layers or -1 = after the final norm).",
+        ),
+        Param("enable_prefix_caching", "boolean", True, "Share KV blocks of equal prompt prefixes."),
+        Param(
+            "weight_prefix",
+            "string",
+            None,
+            "Decoder weights' prefix in a larger checkpoint (e.g. thinker.); default: the model's prefix.",
+            nullable=True,
+        ),
+        Param("hf_config_key", "string", None, "Dotted path of the text config inside config.json.", nullable=True),
+    ),
+)
 
-    from omnistage.stages.ar.config import SamplingParams
-
-    return {f.name for f in fields(SamplingParams)}
+REQUEST_PARAMS = SAMPLING_PARAMS.extended(
+    "ar_lm request",
+    (
+        Param("stop", "string_or_list", None, "Stop strings: the text ends before the first one.", nullable=True),
+        Param(
+            "cache_salt",
+            "string",
+            None,
+            "Requests with different salts never share prefix-cache blocks.",
+            nullable=True,
+        ),
+        Param("priority", "integer", 0, "Lower runs first among waiting requests."),
+        Param("skip_special_tokens", "boolean", True, "Leave special tokens out of the text."),
+    ),
+)
 
 
 @dataclass
@@ -84,6 +133,8 @@ class ARLMStage(StageEngine):
     }
     batching_policies = ("continuous",)
     needs_model = True
+    stage_params = STAGE_PARAMS
+    request_params = REQUEST_PARAMS
 
     @classmethod
     def ports(cls, params: dict[str, Any]) -> tuple[dict[str, Port], dict[str, Port]]:
@@ -91,33 +142,6 @@ class ARLMStage(StageEngine):
         if not (params or {}).get("hidden_state_layers"):
             outs.pop("hidden_states")
         return ins, outs
-
-    @classmethod
-    def validate_params(cls, params: dict[str, Any]) -> list[str]:
-        problems = []
-        for key, value in (params or {}).items():
-            if key not in STAGE_PARAMS:
-                close = difflib.get_close_matches(key, STAGE_PARAMS, n=1)
-                hint = f"did you mean {close[0]!r}? " if close else ""
-                problems.append(f"unknown ar_lm param {key!r}; {hint}known: {', '.join(STAGE_PARAMS)}")
-                continue
-            types = STAGE_PARAMS[key]
-            if value is None and key not in ("block_size", "enable_prefix_caching"):
-                continue
-            if not isinstance(value, types) or (bool in types) != isinstance(value, bool):
-                problems.append(f"ar_lm param {key!r} must be {'/'.join(t.__name__ for t in types)}, got {value!r}")
-                continue
-            if key in ("block_size", "num_kv_blocks", "max_model_len") and value < 1:
-                problems.append(f"ar_lm param {key!r} must be >= 1, got {value}")
-            if key == "kv_cache_bytes":
-                try:
-                    if _parse_bytes(value) < 1:
-                        raise ValueError
-                except ValueError:
-                    problems.append(f"ar_lm param 'kv_cache_bytes' is not a size: {value!r}")
-            if key == "hidden_state_layers" and not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-                problems.append("ar_lm param 'hidden_state_layers' must be a list of integers")
-        return problems
 
     # -- construction ----------------------------------------------------------------------
     def __init__(self, ctx: StageContext):
@@ -129,32 +153,27 @@ class ARLMStage(StageEngine):
             raise ValueError("; ".join(problems))
         if ctx.model_path is None:
             raise ValueError("ar_lm needs a model")
-        params = dict(ctx.params or {})
-        batching = ctx.batching
-        kv_bytes = params.get("kv_cache_bytes")
-        memory = getattr(ctx, "memory", None) or getattr(getattr(ctx, "pool", None), "memory", None)
-        if kv_bytes is None and memory and params.get("num_kv_blocks") is None:
-            kv_bytes = memory
+        params = STAGE_PARAMS.validate(ctx.params)
         model_dir = str(ctx.model_path)  # already resolved, subfolder included
-        self.hidden_state_layers = tuple(params.get("hidden_state_layers") or ())
+        self.hidden_state_layers = tuple(params["hidden_state_layers"])
+        kv_bytes = params["kv_cache_bytes"]
         config = EngineConfig(
             model_path=model_dir,
             dtype=ctx.dtype,
             device=str(ctx.device),
-            block_size=params.get("block_size") or 16,
-            num_kv_blocks=params.get("num_kv_blocks"),
+            block_size=params["block_size"],
+            num_kv_blocks=params["num_kv_blocks"],
             kv_cache_bytes=_parse_bytes(kv_bytes) if kv_bytes is not None else None,
-            max_num_batched_tokens=getattr(batching, "max_num_batched_tokens", 2048),
-            max_num_seqs=getattr(batching, "max_num_seqs", 64),
-            enable_prefix_caching=params.get("enable_prefix_caching", True),
-            max_model_len=params.get("max_model_len"),
+            max_num_batched_tokens=ctx.batching.max_num_batched_tokens,
+            max_num_seqs=ctx.batching.max_num_seqs,
+            enable_prefix_caching=params["enable_prefix_caching"],
+            max_model_len=params["max_model_len"],
             hidden_state_layers=self.hidden_state_layers,
-            **_optional(params, "hf_config_key"),
-            weight_prefix=params.get("weight_prefix") or ctx.model_prefix or "",
+            hf_config_key=params["hf_config_key"],
+            weight_prefix=params["weight_prefix"] or ctx.model_prefix or "",
         )
         self.engine = LLMEngine(config)
         self.tokenizer = TextTokenizer.from_pretrained(model_dir) if TextTokenizer.available(model_dir) else None
-        self._sampling_keys = _sampling_keys()
         self._live: dict[str, _Live] = {}
         self._pending: list[Emission] = []  # rejected requests, reported on the next step
 
@@ -217,25 +236,14 @@ class ARLMStage(StageEngine):
 
     # -- admission -------------------------------------------------------------------------
     def _admit(self, request: StageRequest) -> None:
-        from omnistage.stages.ar import SamplingParams
-
         if request.request_id in self._live:
             raise InvalidRequestError(f"request {request.request_id!r} is already running")
-        params = dict(request.params or {})
-        unknown = sorted(set(params) - self._sampling_keys - set(REQUEST_KEYS))
-        if unknown:
-            raise InvalidRequestError(f"unknown parameter(s) for ar_lm: {', '.join(unknown)}", param=unknown[0])
-        stops = normalize_stop(params.pop("stop", None))
-        cache_salt = params.pop("cache_salt", None)
-        priority = params.pop("priority", 0)
-        skip_special = params.pop("skip_special_tokens", True)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise InvalidRequestError("priority must be an integer", param="priority")
-        if not isinstance(skip_special, bool):
-            raise InvalidRequestError("skip_special_tokens must be a boolean", param="skip_special_tokens")
-        sampling = SamplingParams.from_dict(params)
+        params = REQUEST_PARAMS.validate(request.params)  # the one check of every value
+        stops = normalize_stop(params.pop("stop"))
+        cache_salt = params.pop("cache_salt")
+        priority = params.pop("priority")
+        skip_special = params.pop("skip_special_tokens")
+        sampling = SamplingParams.from_checked(params)
         if stops and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", param="stop")
 
@@ -419,7 +427,3 @@ def _parse_bytes(value: int | str) -> int:
     from omnistage.graph.fields import memory_bytes
 
     return memory_bytes(value)
-
-
-def _optional(params: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: params[k] for k in keys if params.get(k) is not None}

@@ -10,10 +10,42 @@ from __future__ import annotations
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageEngine, StageRequest
-from omnistage.stages.diffusion.adapters.base import GenerationParams, TextConditioning
+from omnistage.stages.diffusion.adapters.base import (
+    GENERATION_PARAMS,
+    LOADING_PARAMS,
+    GenerationParams,
+    TextConditioning,
+)
 from omnistage.stages.diffusion.loading import build_adapter
 from omnistage.stages.diffusion.step_engine import StepEngine
+from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
+
+STAGE_PARAMS = ParamSet(
+    "denoiser",
+    LOADING_PARAMS
+    + (
+        Param("max_inference_steps", "integer", 1000, "Largest num_inference_steps a request may ask.", minimum=1),
+        Param("max_images_per_prompt", "integer", 64, "Largest num_images_per_prompt.", minimum=1),
+        Param("max_frames", "integer", 1024, "Largest num_frames.", minimum=1),
+        Param("max_pixels", "integer", 4096 * 4096, "Largest width x height.", minimum=1),
+        Param(
+            "aging_factor",
+            "number",
+            4.0,
+            "A bucket passed over for this many times its own work is served next.",
+            minimum=0,
+        ),
+        Param(
+            "aging_wait_s",
+            "number",
+            None,
+            "Or: a bucket not served for this many seconds is served next.",
+            minimum=0,
+            nullable=True,
+        ),
+    ),
+)
 
 
 @register_stage("denoiser")
@@ -26,40 +58,29 @@ class DenoiserStage(StageEngine):
     outputs = {"latents": Port("latents")}
     batching_policies = ("step",)
     needs_model = True
+    stage_params = STAGE_PARAMS
+    request_params = GENERATION_PARAMS
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "DENOISER")
-        b = ctx.batching
-        p = ctx.params or {}
+        p = STAGE_PARAMS.validate(ctx.params)
         self.engine = StepEngine(
             self.adapter,
-            max_batch_size=int(getattr(b, "max_batch_size", 8) or 8),
-            max_latent_tokens=getattr(b, "max_latent_tokens", None),
-            **{k: p[k] for k in ("aging_factor", "aging_wait_s") if p.get(k) is not None},  # else its defaults
+            max_batch_size=ctx.batching.max_batch_size,
+            max_latent_tokens=ctx.batching.max_latent_tokens,
+            aging_factor=p["aging_factor"],
+            aging_wait_s=p["aging_wait_s"],
         )
         self.step_log = self.engine.step_log
         self._errors: list[Emission] = []
         # request-size limits (stage params): a request beyond them fails as invalid_request
         self.limits = {
-            "num_inference_steps": int(p.get("max_inference_steps", 1000)),
-            "num_images_per_prompt": int(p.get("max_images_per_prompt", 64)),
-            "num_frames": int(p.get("max_frames", 1024)),
+            "num_inference_steps": p["max_inference_steps"],
+            "num_images_per_prompt": p["max_images_per_prompt"],
+            "num_frames": p["max_frames"],
         }
-        self.max_pixels = int(p.get("max_pixels", 4096 * 4096))
-
-    @classmethod
-    def validate_params(cls, params):
-        problems = []
-        for key in ("max_inference_steps", "max_images_per_prompt", "max_frames", "max_pixels"):
-            value = (params or {}).get(key)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                problems.append(f"{key} must be a positive integer, got {value!r}")
-        for key in ("aging_factor", "aging_wait_s"):
-            value = (params or {}).get(key)
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0):
-                problems.append(f"{key} must be a number >= 0, got {value!r}")
-        return problems
+        self.max_pixels = p["max_pixels"]
 
     def _check_limits(self, params: GenerationParams) -> None:
         for key, limit in self.limits.items():

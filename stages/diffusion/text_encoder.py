@@ -15,9 +15,10 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageRequest
-from omnistage.stages.diffusion.adapters.base import GenerationParams
+from omnistage.stages.diffusion.adapters.base import GENERATION_PARAMS, LOADING_PARAMS, GenerationParams
 from omnistage.stages.diffusion.loading import build_adapter
 from omnistage.stages.dynamic import PreparedBatchEngine
+from omnistage.stages.params import ParamSet
 from omnistage.stages.registry import register_stage
 
 
@@ -31,6 +32,8 @@ class TextEncoderStage(PreparedBatchEngine):
         "warnings": Port("json"),
     }
     needs_model = True
+    stage_params = ParamSet("text_encoder", LOADING_PARAMS)
+    request_params = GENERATION_PARAMS
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -14,10 +14,42 @@ from typing import Any
 import torch
 
 from omnistage.stages.base import Port, StageRequest
-from omnistage.stages.diffusion.adapters.base import GenerationParams, to_output
+from omnistage.stages.diffusion.adapters.base import GENERATION_PARAMS, LOADING_PARAMS, GenerationParams, to_output
 from omnistage.stages.diffusion.loading import build_adapter
 from omnistage.stages.dynamic import PreparedBatchEngine
+from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
+
+STAGE_PARAMS = ParamSet(
+    "vae_decoder",
+    LOADING_PARAMS
+    + (
+        Param(
+            "output",
+            "string",
+            "image",
+            "Output port: image [n, H, W, 3] or video [n, F, H, W, 3] (streamed).",
+            choices=("image", "video"),
+        ),
+        Param("tiling", "boolean", False, "Decode in overlapping spatial tiles."),
+        Param(
+            "tile_latent_size",
+            "integer",
+            None,
+            "Tile size in latent pixels; default: the VAE's.",
+            minimum=2,
+            nullable=True,
+        ),
+        Param("tile_overlap", "number", 0.25, "Tile overlap fraction.", minimum=0, maximum=1, exclusive_maximum=True),
+        Param("slicing", "boolean", False, "Decode one sample of a batch at a time."),
+        Param(
+            "auto_tile_pixels", "integer", None, "Tile outputs with more pixels than this.", minimum=1, nullable=True
+        ),
+        Param("chunk_latent_frames", "integer", 1, "Video: latent frames per streamed chunk.", minimum=1),
+        Param("tile_sample_size", "integer", None, "Video tiling: tile size in pixels.", minimum=1, nullable=True),
+        Param("tile_sample_stride", "integer", None, "Video tiling: tile stride in pixels.", minimum=1, nullable=True),
+    ),
+)
 
 
 @register_stage("vae_decoder")
@@ -25,17 +57,14 @@ class VaeDecoderStage(PreparedBatchEngine):
     inputs = {"latents": Port("latents")}
     outputs = {"image": Port("image")}
     needs_model = True
+    stage_params = STAGE_PARAMS
+    request_params = GENERATION_PARAMS
 
     @classmethod
     def ports(cls, params: dict[str, Any]):
         if (params or {}).get("output") == "video":
             return dict(cls.inputs), {"video": Port("video", streaming=True)}
         return dict(cls.inputs), dict(cls.outputs)
-
-    @classmethod
-    def validate_params(cls, params: dict[str, Any]) -> list[str]:
-        out = (params or {}).get("output", "image")
-        return [] if out in ("image", "video") else [f"output must be image or video, got {out!r}"]
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -16,6 +16,7 @@ from omnistage.graph.loader import PipelineValidationError, load_pipeline, resol
 from omnistage.graph.spec import Endpoint, StreamSpec
 from omnistage.stages import registry
 from omnistage.stages.base import Port, StageEngine
+from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
 
@@ -62,6 +63,8 @@ class _Mix(StageEngine):
 @register_stage("gtest_fanin")
 class _FanIn(StageEngine):
     """Ports from params: `n` text inputs in0..in{n-1}."""
+
+    stage_params = ParamSet("gtest_fanin", (Param("n", "integer", 1, "Number of text inputs.", minimum=1),))
 
     @classmethod
     def ports(cls, params):

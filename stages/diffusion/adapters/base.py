@@ -19,13 +19,12 @@ Data crossing stage boundaries (see docs/diffusion.md):
       denoiser repeats it num_images_per_prompt times, as diffusers does.
   denoiser -> vae_decoder: `latents` in the VAE's layout ([n, C, h, w] or [n, C, f, h, w]),
       not yet un-scaled (the VAE adapter applies scaling/shift factors from its own config).
-Every stage receives the same per-request generation params (GenerationParams.from_dict keys)
-under its own stage name and reads what it needs.
+Every stage receives the same per-request generation params (GENERATION_PARAMS) under its
+own stage name and reads what it needs; unknown keys are refused.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Hashable, Iterator
@@ -35,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.params import Param, ParamSet
 
 
 class ComponentLoading:
@@ -50,33 +50,70 @@ class ComponentLoading:
         return None
 
 
-# -- request parameters -----------------------------------------------------------------------
+# -- parameters -------------------------------------------------------------------------------
 
-_PARAM_TYPES: dict[str, tuple[type, ...]] = {
-    "prompt": (str,),
-    "negative_prompt": (str, type(None)),
-    "width": (int, type(None)),
-    "height": (int, type(None)),
-    "num_frames": (int, type(None)),
-    "num_inference_steps": (int, type(None)),
-    "guidance_scale": (int, float, type(None)),
-    "true_cfg_scale": (int, float, type(None)),
-    "seed": (int, type(None)),
-    "num_images_per_prompt": (int,),
-    "max_sequence_length": (int, type(None)),
-    "output_type": (str,),
-}
 OUTPUT_TYPES = ("uint8", "float")
+
+# Per-request generation params: every diffusion stage (text_encoder, denoiser, vae_decoder)
+# accepts the same set under its own stage name and reads what it needs. None = the family's
+# default, resolved by the adapter.
+GENERATION_PARAMS = ParamSet(
+    "diffusion request",
+    (
+        Param("prompt", "string", "", "The prompt (the text_encoder takes it from its input port)."),
+        Param("negative_prompt", "string", None, "Negative prompt for classifier-free guidance.", nullable=True),
+        Param("width", "integer", None, "Output width in pixels; default: the family's.", minimum=1, nullable=True),
+        Param("height", "integer", None, "Output height in pixels; default: the family's.", minimum=1, nullable=True),
+        Param("num_frames", "integer", None, "Video frames; default: the family's.", minimum=1, nullable=True),
+        Param(
+            "num_inference_steps", "integer", None, "Sampler steps; default: the family's.", minimum=1, nullable=True
+        ),
+        Param(
+            "guidance_scale",
+            "number",
+            None,
+            "Classifier-free guidance scale; default: the family's.",
+            minimum=0,
+            nullable=True,
+        ),
+        Param(
+            "true_cfg_scale", "number", None, "True CFG scale (FLUX with a negative prompt).", minimum=0, nullable=True
+        ),
+        Param("seed", "integer", None, "Seed of this request's own generator; default: a fresh one.", nullable=True),
+        Param("num_images_per_prompt", "integer", 1, "Samples per prompt.", minimum=1),
+        Param(
+            "max_sequence_length",
+            "integer",
+            None,
+            "Text tokens per prompt; default: the family's.",
+            minimum=1,
+            nullable=True,
+        ),
+        Param(
+            "output_type",
+            "string",
+            "uint8",
+            "uint8 pixels in [0, 255] or float pixels in [0, 1].",
+            choices=OUTPUT_TYPES,
+        ),
+    ),
+)
+
+# Stage params every diffusion stage kind takes (how its components load).
+LOADING_PARAMS = (
+    Param(
+        "family", "string", None, "Model family (sd3, flux, wan); default: detected from the checkpoint.", nullable=True
+    ),
+    Param("components", "mapping", None, "Component name -> local folder overriding the checkpoint's.", nullable=True),
+)
 
 
 @dataclass
 class GenerationParams:
-    """One request's generation parameters, named as the diffusers pipelines name them.
-
-    None means "the family's default" (resolved by the adapter). `output_type`: "uint8"
-    (default, [0,255] pixels) or "float" ([0,1] float32 pixels, what diffusers' "np" gives).
-    Unknown keys are kept in `extra` (families may read them, e.g. Wan's flow_shift).
-    """
+    """One request's generation parameters (GENERATION_PARAMS), named as the diffusers
+    pipelines name them. None means "the family's default" (resolved by the adapter).
+    `output_type`: "uint8" (default, [0,255] pixels) or "float" ([0,1] float32 pixels, what
+    diffusers' "np" gives)."""
 
     prompt: str = ""
     negative_prompt: str | None = None
@@ -90,47 +127,11 @@ class GenerationParams:
     num_images_per_prompt: int = 1
     max_sequence_length: int | None = None
     output_type: str = "uint8"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> GenerationParams:
-        """Parse and check the family-independent rules; raise InvalidRequestError."""
-        raw = dict(raw or {})
-        known: dict[str, Any] = {}
-        extra: dict[str, Any] = {}
-        for key, value in raw.items():
-            if key not in _PARAM_TYPES:
-                extra[key] = value
-                continue
-            types = _PARAM_TYPES[key]
-            if isinstance(value, bool) or not isinstance(value, types):  # bool is an int: refuse it
-                raise InvalidRequestError(
-                    f"{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, got {value!r}",
-                    param=key,
-                )
-            known[key] = value
-        p = cls(**known, extra=extra)
-        if p.num_inference_steps is not None and p.num_inference_steps < 1:
-            raise InvalidRequestError(
-                f"num_inference_steps must be >= 1, got {p.num_inference_steps}", param="num_inference_steps"
-            )
-        if p.num_images_per_prompt < 1:
-            raise InvalidRequestError(
-                f"num_images_per_prompt must be >= 1, got {p.num_images_per_prompt}", param="num_images_per_prompt"
-            )
-        for key in ("guidance_scale", "true_cfg_scale"):
-            value = getattr(p, key)
-            if value is not None and (value < 0 or not math.isfinite(value)):
-                raise InvalidRequestError(f"{key} must be a finite number >= 0, got {value}", param=key)
-        for key in ("width", "height", "num_frames", "max_sequence_length"):
-            value = getattr(p, key)
-            if value is not None and value < 1:
-                raise InvalidRequestError(f"{key} must be >= 1, got {value}", param=key)
-        if p.output_type not in OUTPUT_TYPES:
-            raise InvalidRequestError(
-                f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {p.output_type!r}", param="output_type"
-            )
-        return p
+        """Check against GENERATION_PARAMS (unknown keys are refused); raise InvalidRequestError."""
+        return cls(**GENERATION_PARAMS.validate(raw))
 
     def resolved_seed(self) -> int:
         """The seed this request draws its latents with (a fresh one when none was given)."""
