@@ -1,6 +1,6 @@
 """`omnistage bench ar --json FILE [--quick]`: the ar_lm stage against transformers.
 
-Workload (issue 3): a random-weight Qwen2 model (hidden 512, 8 layers, 8 heads, 2 KV heads,
+Workload: a random-weight Qwen2 model (hidden 512, 8 layers, 8 heads, 2 KV heads,
 intermediate 1408, vocab 32000, untied, ~55M parameters, float32); 64 requests (fixed seed)
 with prompts of 32..512 tokens and 16..256 output tokens, EOS ignored, all arriving at once.
 Throughput counts each request's requested output tokens only, for every system.
@@ -65,10 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--settle-s",
         type=float,
         help="idle seconds before each system's process (default 20; --quick 0): "
-        "the host stays busy for ~20-30 s after a process frees GiBs (steal time "
-        "on this VM), which slowed whichever system ran next",
+        "a virtual machine's host can stay busy for a while after a process frees GiBs, "
+        "which slows whichever system runs next (docs/bench-ar.md)",
     )
     p.add_argument("--no-prefix", action="store_true", help="skip the prefix-cache part")
+    p.add_argument(
+        "--concurrency",
+        metavar="LEVELS",
+        help="also run omnistage with at most N requests in flight for each N of this comma list "
+        "(e.g. 1,8,32,64), once per round; the JSON's concurrency_sweep holds the points",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw throughput and TPOT against concurrency into this PNG "
+        "(runs the sweep at 1,8,32,64, or 1,4,8 with --quick, unless --concurrency is given)",
+    )
     p.add_argument(
         "--engine-direct",
         action="store_true",
@@ -136,6 +148,7 @@ def _make_job(args) -> tuple[dict, dict]:
         "check_output_lens": check_lens,
         "serial_requests": args.serial_requests,
         "hf_cb_overrides": {"num_blocks": 16, "max_batch_tokens": 256} if quick else {},
+        "concurrency": _concurrency_levels(args),
     }
     prefix_desc = None
     if not args.no_prefix:
@@ -174,6 +187,19 @@ def _make_job(args) -> tuple[dict, dict]:
         "prefix_workload": prefix_desc,
     }
     return job, meta
+
+
+def _concurrency_levels(args) -> list[int]:
+    from omnistage.bench.ar_sweep import DEFAULT_LEVELS, parse_levels
+
+    if args.concurrency:
+        try:
+            return parse_levels(args.concurrency)
+        except ValueError as err:
+            raise SystemExit(f"omnistage bench ar: {err}") from None
+    if args.plot:
+        return list(DEFAULT_LEVELS["quick" if args.quick else "full"])
+    return []
 
 
 def _run_subprocess(system: str, job_path: Path, out_path: Path, timeout: float) -> dict:
@@ -222,15 +248,12 @@ def _orchestrate(args, argv: list[str]) -> int:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
     # Runs are interleaved (round r runs every system once, each in a fresh process), so a
-    # change in the shared machine's load hits every system alike instead of whichever
-    # system happened to run at that moment, and the order rotates from round to round: the
-    # machine also slows under sustained load (every system measured ~5-15% slower in rounds
-    # 2-3 than in round 1), which a fixed order would charge to the later systems. Round 0 also
-    # does the greedy check and the prefix-cache part.
-    # Between systems the machine idles for settle_s: a process that frees GiBs (transformers'
-    # continuous batching peaks at 14 GiB) leaves this VM's host busy for ~20-30 s (4-7% steal
-    # time measured right after), which cost whichever system ran next 10-15% of its timed
-    # pass; with the rotation that was mostly omnistage. Every system gets the same pause.
+    # change in the machine's load hits every system alike, and the order rotates from round
+    # to round, so a machine that slows under sustained load does not charge it to whichever
+    # system always runs last. Round 0 also does the greedy check and the prefix-cache part.
+    # Between systems the machine idles for settle_s, the same pause for every system: after a
+    # process frees GiBs (transformers' continuous batching) a VM's host can stay busy long
+    # enough to slow the next system's timed pass (docs/bench-ar.md, "Method").
     settle_s = args.settle_s if args.settle_s is not None else (0.0 if args.quick else 20.0)
     results: dict[str, dict] = {}
     rounds = job["runs"]
@@ -267,6 +290,7 @@ def _orchestrate(args, argv: list[str]) -> int:
                 else:
                     merged = results[system]
                     merged["runs"] += res["runs"]
+                    merged["sweeps"] = merged.get("sweeps", []) + res.get("sweeps", [])
                     merged["peak_rss_mb"] = max(merged["peak_rss_mb"], res["peak_rss_mb"])
 
     out = {
@@ -333,10 +357,20 @@ def _orchestrate(args, argv: list[str]) -> int:
         results.get("hf_serial", {}).get("greedy_reference"),
         LOGPROB_TOLERANCE.get(job["dtype"], 1e-3),
     )
+    if omni_res.get("sweeps"):
+        from omnistage.bench.ar_sweep import aggregate_sweeps
+
+        out["concurrency_sweep"] = aggregate_sweeps(omni_res["sweeps"])
     out["targets"] = {"vs_hf_serial": 6, "vs_hf_static": 2, "vs_hf_generate_batch": 5, "prefix_ttft_max": 0.2}
     out["elapsed_s"] = time.time() - started
     if args.json_path:
         write_json(args.json_path, out)
+    if args.plot and out.get("concurrency_sweep"):
+        from omnistage.bench.plot import plot_ar
+
+        plot_ar(out, args.plot)
+    elif args.plot:
+        print("bench ar: no concurrency sweep was measured; no plot drawn", file=sys.stderr)
     print(markdown_summary(out))
     print(f"omnistage measured through: {out.get('omnistage_mode')}")
     failed = [s for s, r in results.items() if "error" in r]
@@ -381,6 +415,18 @@ def markdown_summary(out: dict) -> str:
             f"{fig(pc, 'ttft_ms_p50_uncached')} ms, cached share of prompt tokens "
             f"{fig(pc, 'cached_prompt_share', '{:.3f}')}",
         ]
+    sweep = out.get("concurrency_sweep")
+    if sweep:
+        lines += [
+            "",
+            "| omnistage, requests in flight | output tok/s | TTFT p50 ms (from submission) | TPOT p50 ms |",
+            "|---|---|---|---|",
+        ]
+        for point in sweep["points"]:
+            lines.append(
+                f"| {point['concurrency']} | {fig(point, 'output_tok_s')} | "
+                f"{fig(point, 'ttft_ms_p50', '{:.0f}')} | {fig(point, 'tpot_ms_p50')} |"
+            )
     lines += ["", f"checks: {json.dumps(out['checks'])}"]
     return "\n".join(lines)
 

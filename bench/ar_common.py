@@ -189,6 +189,7 @@ def tree_peak_rss_mb(pid: int | None = None) -> float:
 
 
 def write_json(path: str | Path, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(data, indent=2, default=_jsonable))
 
 

@@ -11,6 +11,7 @@ serial system's TTFT includes the time its requests wait for the ones before the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
@@ -264,18 +265,20 @@ class _PipelineDriver:
         path.write_text(PIPELINE_YAML.format(**settings))
         self.pipeline = Pipeline.from_yaml(str(path))
 
-    async def one(self, prompt, params, t0) -> dict:
+    async def one(self, prompt, params, t0, gate) -> dict:
         first = last = None
         tokens, info = [], None
-        async for chunk in self.pipeline.stream({"tokens": list(prompt)}, {"llm": params}):
-            if chunk.port == "tokens" and chunk.data is not None and len(chunk.data):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-                data = chunk.data
-                tokens.extend(data.tolist() if hasattr(data, "tolist") else data)
-            elif chunk.port == "info" and chunk.data is not None:
-                info = chunk.data
+        async with gate:
+            submitted = time.perf_counter()
+            async for chunk in self.pipeline.stream({"tokens": list(prompt)}, {"llm": params}):
+                if chunk.port == "tokens" and chunk.data is not None and len(chunk.data):
+                    now = time.perf_counter()
+                    first = first if first is not None else now
+                    last = now
+                    data = chunk.data
+                    tokens.extend(data.tolist() if hasattr(data, "tolist") else data)
+                elif chunk.port == "info" and chunk.data is not None:
+                    info = chunk.data
         return {
             "first": first - t0,
             "last": last - t0,
@@ -284,12 +287,17 @@ class _PipelineDriver:
             "tokens": tokens,
             "t_first": first,
             "t_last": last,
+            "t_submit": submitted,
         }
 
-    def run_all(self, prompts, params_list) -> tuple[list[dict], float, float]:
+    def run_all(self, prompts, params_list, concurrency: int | None = None) -> tuple[list[dict], float, float]:
+        """All requests at once, or at most `concurrency` in flight (the next one is submitted
+        when one finishes)."""
+
         async def go():
+            gate = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
             t0 = time.perf_counter()
-            res = await asyncio.gather(*(self.one(p, q, t0) for p, q in zip(prompts, params_list)))
+            res = await asyncio.gather(*(self.one(p, q, t0, gate) for p, q in zip(prompts, params_list)))
             return res, t0, time.perf_counter()
 
         return asyncio.run(go())
@@ -423,7 +431,14 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
         print(f"bench ar: omnistage run {r + 1}/{job['runs']}: {metrics.tok_s:.1f} tok/s", flush=True)
 
     if not job.get("extras", True):
-        return {"runs": runs, "peak_rss_mb": tree_peak_rss_mb(), "mode": driver.mode, "settings": settings}
+        sweep = _sweep(driver, job)
+        return {
+            "runs": runs,
+            "sweeps": [sweep] if sweep else [],
+            "peak_rss_mb": tree_peak_rss_mb(),
+            "mode": driver.mode,
+            "settings": settings,
+        }
     # greedy check requests: tokens + logprobs
     res, _, _ = driver.run_all(job["check_prompts"], [params(n, "check", logprobs=0) for n in job["check_output_lens"]])
     greedy = []
@@ -433,9 +448,11 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
         greedy.append({"tokens": x["tokens"], "logprobs": [e["logprob"] for e in lps]})
 
     prefix = _prefix_part(driver, job) if job.get("prefix") else None
+    sweep = _sweep(driver, job)
     stats = driver.stats()
     return {
         "runs": runs,
+        "sweeps": [sweep] if sweep else [],
         "peak_rss_mb": tree_peak_rss_mb(),
         "greedy": greedy,
         "prefix": prefix,
@@ -443,6 +460,17 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
         "settings": settings,
         "engine_stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
     }
+
+
+def _sweep(driver, job: dict) -> list[dict] | None:
+    if not job.get("concurrency"):
+        return None
+    if driver.mode != "pipeline":
+        print("bench ar: the concurrency sweep needs the Pipeline; skipped", flush=True)
+        return None
+    from omnistage.bench.ar_sweep import run_sweep
+
+    return run_sweep(driver, job)
 
 
 def _prefix_part(driver, job: dict) -> dict:

@@ -507,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.saturation_repeats:
         cfg.saturation_repeats = args.saturation_repeats
     partial = Path(args.json_path + ".partial") if args.json_path else None
+    if partial is not None:
+        partial.parent.mkdir(parents=True, exist_ok=True)
     result = run_benchmark(cfg, partial)
     result["command"] = "omnistage bench diffusion " + " ".join(argv if argv is not None else sys.argv[1:])
     text = json.dumps(result, indent=2, default=float)

@@ -97,7 +97,11 @@ def plot_ar(result: dict, path: str | Path) -> None:
         entry = result.get("systems", {}).get(system, {})
         if "output_tok_s" in entry:
             ax_tput.axhline(
-                entry["output_tok_s"]["median"], color=SERIES_COLORS[system], ls="--", lw=2, label=SERIES_LABELS[system]
+                entry["output_tok_s"]["median"],
+                color=SERIES_COLORS[system],
+                ls="--",
+                lw=2,
+                label=f"{SERIES_LABELS[system]} (whole workload at once)",
             )
     ax_tput.set_ylim(bottom=0)
     ax_tpot.set_ylim(bottom=0)
@@ -105,6 +109,11 @@ def plot_ar(result: dict, path: str | Path) -> None:
     ax_tput.set_title("throughput (median of rounds, min..max)")
     ax_tpot.set_title("time per output token")
     fig.suptitle(_caption(result, 200), fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
 
 
@@ -133,7 +142,7 @@ def plot_diffusion(result: dict, path: str | Path) -> None:
     ax.set_title(f"mixed traffic: {len(traces)} trace(s), {len(next(iter(pooled.values())))} requests per system")
     ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(_caption(result), fontsize=8)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def plot_runtime(result: dict, path: str | Path) -> None:
@@ -160,7 +169,7 @@ def plot_runtime(result: dict, path: str | Path) -> None:
     ax.set_title(f"stage-to-stage hop, receiver idle ({len(hops)} samples)")
     ax.legend(fontsize=8)
     fig.suptitle(_caption(result), fontsize=8)
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def _plain_log_ticks(ax) -> None:

@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_bench(quick=args.quick, runs=max(1, args.runs), progress=not args.no_progress)
     result["command"] = "omnistage bench runtime " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json_path, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")
     if args.plot:

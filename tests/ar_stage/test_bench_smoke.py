@@ -7,12 +7,15 @@ import sys
 
 import pytest
 
+from omnistage.bench.plot import SERIES_COLORS
+
 
 @pytest.mark.timeout(400)
-def test_bench_ar_quick(tmp_path):
-    out = tmp_path / "ar.json"
+def test_bench_ar_quick(tmp_path, png_colors):
+    out, png = tmp_path / "ar.json", tmp_path / "ar.png"
+    cmd = ["bench", "ar", "--quick", "--json", str(out), "--concurrency", "1,4,8", "--plot", str(png)]
     proc = subprocess.run(
-        [sys.executable, "-m", "omnistage.serving.cli", "bench", "ar", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "omnistage.serving.cli", *cmd],
         env={**os.environ, "PYTHONSAFEPATH": "1"},
         capture_output=True,
         text=True,
@@ -36,3 +39,15 @@ def test_bench_ar_quick(tmp_path):
     share = data["prefix_cache"]["cached_prompt_share"]["median"]
     assert 0.5 < share < 1.0  # the shared prefix's whole blocks, never the unique suffix
     assert data["systems"]["hf_generate_batch"]["settings"]["num_blocks"] == 16
+    # the concurrency sweep: every level ran the whole workload through the pipeline
+    sweep = data["concurrency_sweep"]
+    assert sweep["levels"] == [1, 4, 8] and sweep["rounds"] == 1
+    for point in sweep["points"]:
+        for key in ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50"):
+            assert point[key]["min"] <= point[key]["median"] <= point[key]["max"] and point[key]["median"] > 0
+    # one request at a time has no batch to share a step with: more in flight is faster
+    tok_s = [p["output_tok_s"]["median"] for p in sweep["points"]]
+    assert tok_s[-1] > tok_s[0]
+    colors = png_colors(png)
+    for system in ("omnistage", "hf_serial", "hf_static", "hf_generate_batch"):
+        assert png_colors.rgb(SERIES_COLORS[system]) in colors, system
