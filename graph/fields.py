@@ -38,7 +38,11 @@ PIPELINE = {
         pattern=PIPELINE_NAME_PATTERN,
     ),
     "description": Field("string", "Free text shown in listings."),
-    "inputs": Field("mapping", "Pipeline input ports: {port: type}. Edges read them as `inputs.PORT`."),
+    "inputs": Field(
+        "mapping",
+        "Pipeline input ports: {port: type} or {port: {type, shape, dtype}} (shape/dtype checked at admission). "
+        "Edges read them as `inputs.PORT`.",
+    ),
     "outputs": Field(
         "mapping", "Pipeline output ports: {port: type}. Edges write them as `outputs.PORT`.", required=True
     ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from omnistage.graph import fields as F
+from omnistage.graph.inputs import TENSOR_DTYPES
 from omnistage.stages.contracts import PORT_TYPES
 
 _ENV_REF = {
@@ -78,6 +79,17 @@ def json_schema() -> dict[str, Any]:
         "propertyNames": {"pattern": F.NAME_PATTERN},
         "additionalProperties": {"enum": list(PORT_TYPES)},
     }
+    # an input declared with its shape/dtype (graph/inputs.py)
+    tensor_port = {
+        "type": "object",
+        "required": ["type"],
+        "additionalProperties": False,
+        "properties": {
+            "type": {"enum": list(PORT_TYPES)},
+            "shape": {"type": "array", "items": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}]}},
+            "dtype": {"enum": list(TENSOR_DTYPES)},
+        },
+    }
     device = {"type": "string", "pattern": F.DEVICE_PATTERN}
     model_map = _object(F.MODEL, {})
     stage = _object(
@@ -127,7 +139,11 @@ def json_schema() -> dict[str, Any]:
     schema = _object(
         F.PIPELINE,
         {
-            "inputs": {**port_map, "description": F.PIPELINE["inputs"].doc},
+            "inputs": {
+                **port_map,
+                "additionalProperties": {"anyOf": [port_map["additionalProperties"], tensor_port]},
+                "description": F.PIPELINE["inputs"].doc,
+            },
             "outputs": {**port_map, "description": F.PIPELINE["outputs"].doc, "minProperties": 1},
             "stages": {
                 "type": "object",

@@ -135,6 +135,8 @@ class PipelineSpec:
     # Request intake bound (admission control) and default per-request deadline.
     max_queued_requests: int = 256
     default_deadline_s: float | None = None
+    # inputs declared with a shape/dtype (graph/inputs.py TensorSpec), checked at admission
+    input_tensors: dict[str, Any] = field(default_factory=dict)
 
     # Edge queries: the runtime keys edge permits and reader slots by an edge's index in
     # `edges`, so the index forms are the primary ones.

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from omnistage.graph import fields as F
 from omnistage.graph.checks import Report, did_you_mean
+from omnistage.graph.inputs import TensorSpec, parse_port
 from omnistage.graph.nodes import MapNode, Node, Problem, ScalarNode, broken_positions, describe
 from omnistage.graph.spec import PipelineSpec, SourcePos
 from omnistage.graph.stages_check import StageInfo, check_stage
@@ -29,7 +30,8 @@ def build_spec(root: Node, file: str, source: Path | None, problems: list[Proble
     name = values.get("name", "")
     description = values.get("description") or ""
 
-    inputs, _ = _ports(root, "inputs", report)
+    input_tensors: dict[str, TensorSpec] = {}
+    inputs, _ = _ports(root, "inputs", report, input_tensors)
     outputs, output_pos = _ports(root, "outputs", report)
     ports = PipelinePorts(inputs, outputs, output_pos)
 
@@ -66,11 +68,16 @@ def build_spec(root: Node, file: str, source: Path | None, problems: list[Proble
         source=source,
         max_queued_requests=max_queued,
         default_deadline_s=deadline,
+        input_tensors=input_tensors,
     )
 
 
-def _ports(root: MapNode, section: str, report: Report) -> tuple[dict[str, str] | None, dict]:
-    """{port: type} of `inputs` / `outputs`; None when the section is unusable."""
+def _ports(
+    root: MapNode, section: str, report: Report, tensors: dict[str, TensorSpec] | None = None
+) -> tuple[dict[str, str] | None, dict]:
+    """{port: type} of `inputs` / `outputs`; None when the section is unusable. With
+    `tensors`, ports may be written {type, shape, dtype} (graph/inputs.py) and their
+    declarations are collected there."""
     node = root.get(section)
     if node is None:
         return {}, {}
@@ -89,6 +96,13 @@ def _ports(root: MapNode, section: str, report: Report) -> tuple[dict[str, str] 
                 f"{section}: port name {port!r} is not valid (letters, digits, _ and -, starting with a letter or _)",
             )
             ok = False
+            continue
+        if tensors is not None and isinstance(type_node, MapNode):
+            parsed = parse_port(type_node, f"{section}.{port}", report, PORT_TYPES)
+            if parsed is None:
+                ok = False
+            else:
+                ports[port], tensors[port] = parsed
             continue
         if not (isinstance(type_node, ScalarNode) and isinstance(type_node.value, str)):
             report.add(

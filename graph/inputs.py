@@ -1,0 +1,113 @@
+"""Shape and dtype declarations of a pipeline's tensor inputs, and their check at admission.
+
+A pipeline input may be declared with a shape and dtype instead of a bare type:
+
+    inputs:
+      x: {type: tensor, shape: [null, 8], dtype: float32}   # any number of rows of 8
+
+`shape` lists one entry per dimension: an integer fixes that dimension, null leaves it free.
+The runtime checks such inputs when a request is admitted (`check_inputs`), so a wrong
+shape is refused with an InvalidRequestError naming `inputs.PORT` (HTTP 400) before any
+stage sees it, instead of failing inside a stage's module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omnistage.errors import InvalidRequestError
+from omnistage.graph.checks import Report, did_you_mean
+from omnistage.graph.nodes import MapNode, ScalarNode, SeqNode, describe
+
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+PORT_KEYS = ("type", "shape", "dtype")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor input must look like; None leaves that part free."""
+
+    shape: tuple[int | None, ...] | None = None
+    dtype: str | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.shape is not None:
+            parts.append("[" + ", ".join("*" if d is None else str(d) for d in self.shape) + "]")
+        if self.dtype is not None:
+            parts.append(self.dtype)
+        return " ".join(parts)
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` does not match (a sentence fragment), or None when it does."""
+        shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if shape is None or dtype is None:
+            return f"must be a tensor {self.describe()}, got {type(value).__name__}"
+        got = tuple(int(d) for d in shape)
+        if self.shape is not None and (
+            len(got) != len(self.shape) or any(want is not None and want != d for want, d in zip(self.shape, got))
+        ):
+            return f"must have shape {self.describe()}, got shape [{', '.join(map(str, got))}]"
+        name = str(dtype).removeprefix("torch.")
+        if self.dtype is not None and name != self.dtype:
+            return f"must have dtype {self.dtype}, got {name}"
+        return None
+
+
+def check_inputs(spec: Any, inputs: Mapping[str, Any]) -> None:
+    """Refuse a request whose declared tensor inputs do not match (InvalidRequestError,
+    param `inputs.PORT`). Inputs without a declaration pass unchecked."""
+    for port, tensor_spec in spec.input_tensors.items():
+        if port in inputs:
+            problem = tensor_spec.problem(inputs[port])
+            if problem is not None:
+                raise InvalidRequestError(f"input {port!r} {problem}", param=f"inputs.{port}")
+
+
+def parse_port(node: MapNode, where: str, report: Report, port_types: tuple[str, ...]) -> tuple[str, TensorSpec] | None:
+    """A port written as {type, shape, dtype}: (type, TensorSpec), or None after reporting."""
+    ok = True
+    for key in node.entries:
+        if key not in PORT_KEYS:
+            report.add(node.key_pos[key], f"unknown key {key!r} in {where}{did_you_mean(key, PORT_KEYS)}")
+            ok = False
+    type_node = node.get("type")
+    if not (isinstance(type_node, ScalarNode) and type_node.value in port_types):
+        at = type_node.pos if type_node is not None else node.pos
+        got = describe(type_node) if type_node is not None else "nothing"
+        report.add(at, f"{where}.type must be a port type ({', '.join(port_types)}), got {got}")
+        return None
+    shape = _shape(node.get("shape"), f"{where}.shape", report)
+    dtype_node = node.get("dtype")
+    dtype = None
+    if dtype_node is not None:
+        if isinstance(dtype_node, ScalarNode) and dtype_node.value in TENSOR_DTYPES:
+            dtype = dtype_node.value
+        else:
+            value = dtype_node.value if isinstance(dtype_node, ScalarNode) else None
+            hint = did_you_mean(value, TENSOR_DTYPES) if isinstance(value, str) else ""
+            report.add(dtype_node.pos, f"{where}.dtype must be one of {', '.join(TENSOR_DTYPES)}{hint}")
+            ok = False
+    if shape is False or not ok:
+        return None
+    return type_node.value, TensorSpec(shape=shape, dtype=dtype)
+
+
+def _shape(node: Any, where: str, report: Report) -> tuple[int | None, ...] | None | bool:
+    """The declared shape, None when absent, False after reporting a problem."""
+    if node is None:
+        return None
+    if not isinstance(node, SeqNode):
+        report.add(node.pos, f"{where} must be a list of sizes (integers, or null for any), got {describe(node)}")
+        return False
+    dims: list[int | None] = []
+    for item in node.items:
+        value = item.value if isinstance(item, ScalarNode) else item
+        if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            dims.append(value)
+        else:
+            report.add(item.pos, f"{where}: each size must be an integer >= 0 or null (any), got {describe(item)}")
+            return False
+    return tuple(dims)
