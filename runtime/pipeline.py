@@ -19,7 +19,8 @@ from typing import Any
 
 from omnistage.errors import DeadlineExceededError
 from omnistage.graph.spec import PipelineSpec
-from omnistage.runtime.orchestrator import Orchestrator, OutputChunk, RequestEnd
+from omnistage.runtime.orchestrator import Orchestrator
+from omnistage.runtime.routing import OutputChunk, RequestEnd
 from omnistage.stages.contracts import combine_chunks
 
 __all__ = ["Pipeline", "OutputChunk"]

@@ -115,11 +115,22 @@ class _Segment:
         return n == 0 or self.mm[1 : 1 + n] == b"\x01" * n
 
 
+def worker_pool_prefix(pipeline_prefix: str, stage: str, replica: int, generation: int) -> str:
+    """The pool prefix of one generation of one stage replica's worker."""
+    return f"{pipeline_prefix}-{stage}{replica}g{generation}"
+
+
+def segment_prefix(pool_prefix: str, pid: int) -> str:
+    """What every segment file of the pool `pool_prefix` in process `pid` is named before
+    its `-<n>`: the pid keeps a restarted or forked process from reusing a dead one's names."""
+    return f"{pool_prefix}-{pid}"
+
+
 class SegmentPool:
     """A producer's segments, grouped by power-of-two size class."""
 
     def __init__(self, prefix: str):
-        self.prefix = f"{prefix}-{os.getpid()}"
+        self.prefix = segment_prefix(prefix, os.getpid())
         self._classes: dict[int, list[_Segment]] = {}
         self._by_name: dict[str, _Segment] = {}
         self._count = 0

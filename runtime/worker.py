@@ -45,8 +45,9 @@ from omnistage.runtime.messages import (
     recv_msg,
     send_msg,
 )
-from omnistage.runtime.shm import SegmentPool, SegmentReader, decode, encode
+from omnistage.runtime.shm import SegmentPool, SegmentReader, decode, encode, worker_pool_prefix
 from omnistage.stages.base import Emission, StageContext, StageEngine
+from omnistage.stages.contracts import error_emission
 
 STEP_LOG_KEEP = 64
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -66,19 +67,6 @@ class WorkerConfig:
     # spec.edges index -> multiprocessing semaphore, for this stage's out-edges with max_inflight
     permits: dict[int, Any] = field(default_factory=dict)
     generation: int = 0
-
-
-def port_out_edges(spec: PipelineSpec, stage: str) -> dict[str, list[int]]:
-    """Output port -> indices (in spec.edges) of its out-edges; a port's i-th edge reads with slot i."""
-    out: dict[str, list[int]] = {}
-    for i, e in enumerate(spec.edges):
-        if e.src.stage == stage:
-            out.setdefault(e.src.port, []).append(i)
-    return out
-
-
-def connected_inputs(spec: PipelineSpec, stage: str):
-    return {e.dst.port: e.stream for e in spec.edges if e.dst.stage == stage}
 
 
 def build_engine(cfg: WorkerConfig) -> StageEngine:
@@ -150,10 +138,10 @@ class Worker:
         self.conn = conn
         self.spec = cfg.spec
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.pool = SegmentPool(f"{cfg.shm_prefix}-{cfg.stage}{cfg.replica}g{cfg.generation}")
+        self.pool = SegmentPool(worker_pool_prefix(cfg.shm_prefix, cfg.stage, cfg.replica, cfg.generation))
         self.reader = SegmentReader()
-        self.port_edges = port_out_edges(self.spec, cfg.stage)
-        self.assembler = InputAssembler(connected_inputs(self.spec, cfg.stage))
+        self.port_edges = self.spec.out_edge_ids_by_port(cfg.stage)
+        self.assembler = InputAssembler({e.dst.port: e.stream for e in self.spec.in_edges(cfg.stage)})
         self.permit_edges = sorted(cfg.permits)
         self.engine: StageEngine | None = None
         self.active: set[str] = set()  # added to the engine, not finished
@@ -330,8 +318,6 @@ class Worker:
                 traceback.print_exc()
 
     def _fail(self, rid: str, exc: BaseException) -> None:
-        from omnistage.stages.dynamic import error_emission
-
         self.assembler.drop(rid)
         self.waiting_permits.pop(rid, None)
         if rid in self.active:
