@@ -21,7 +21,7 @@ from omnistage.stages.base import StageContext, StageRequest
 
 torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "1")))
 
-TOL = 1e-3  # on [0, 1] pixels
+TOL = 1e-4  # on [0, 1] pixels; agreement is float32 rounding (see test_sensitivity_and_mixed.py)
 
 
 def make_ctx(kind: str, model_path, stage_name: str | None = None, params=None, **batching) -> StageContext:

@@ -2,7 +2,9 @@
 
 Reference: the diffusers StableDiffusion3Pipeline / FluxPipeline loaded from the same tiny
 checkpoint (save_pretrained layout), output_type="np", a CPU generator seeded the same way.
-Pixels are compared as [0,1] floats (output_type "float") within 1e-3.
+Pixels are compared as [0,1] floats (output_type "float") within 1e-4: the measured agreement
+is float32 rounding (~1e-6), and test_sensitivity_and_mixed.py shows a wrong step count, prompt,
+guidance or single timestep moves the reference by more than 1e-3.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-TOL = 1e-3
+TOL = 1e-4  # measured agreement ~1e-6; see test_sensitivity_and_mixed.py
 SMALL = dict(height=32, width=32, max_sequence_length=24)
 FAMILY_EXTRA = {"sd3": dict(guidance_scale=4.0), "flux": dict(guidance_scale=3.5)}
 
