@@ -63,12 +63,12 @@ class BlockManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(chain_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), seq.cache_salt))
+            hashes.append(chain_hash(parent, tuple(seq.cache_key_ids(i * bs, (i + 1) * bs)), seq.cache_salt))
         return hashes[:num_full_blocks]
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (leaving >= 1 token to compute)."""
-        if not self.enable_prefix_caching or not seq.prompt_ids_known:
+        if not self.enable_prefix_caching or not seq.prompt_hashable:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[int] = []
@@ -85,7 +85,7 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks of seq that are now full of computed tokens."""
-        if not self.enable_prefix_caching or not seq.prompt_ids_known:
+        if not self.enable_prefix_caching or not seq.prompt_hashable:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks:

@@ -60,6 +60,10 @@ class Sequence:
     # Added to the input embedding of generated token t when it is fed back: row min(t, K - 1)
     # (the Qwen2.5-Omni talker's thinker_reply_part). [K, embedding_size]
     decode_embeds: torch.Tensor | None = None
+    # Prefix-cache keys of an embeddings prompt, one per prompt position: the token id where the
+    # embedding is the token's, a key derived from the content elsewhere (multimodal rows), so
+    # equal keys mean equal embeddings. None: an embeddings prompt is never cached.
+    prompt_cache_keys: list[int] | None = None
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -93,6 +97,19 @@ class Sequence:
     @property
     def prompt_ids_known(self) -> bool:
         return self.prompt_embeds is None
+
+    @property
+    def prompt_hashable(self) -> bool:
+        """The prompt can be keyed in the prefix cache (token ids, or content keys for embeddings)."""
+        return self.prompt_embeds is None or self.prompt_cache_keys is not None
+
+    def cache_key_ids(self, start: int, end: int) -> list[int]:
+        """What the prefix cache hashes for positions [start, end): token ids, with the prompt's
+        content keys in place of embedding placeholders."""
+        keys = self.prompt_cache_keys
+        if keys is None or start >= self.num_prompt_tokens:
+            return self.token_ids[start:end]
+        return keys[start : min(end, self.num_prompt_tokens)] + self.token_ids[self.num_prompt_tokens : end]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

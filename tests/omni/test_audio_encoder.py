@@ -7,23 +7,10 @@ import io
 import numpy as np
 import torch
 
-from omnistage.graph.spec import BatchingSpec
-from omnistage.stages.base import StageContext, StageRequest
+from omnistage.stages.base import StageRequest
 from omnistage.stages.omni.audio_encoder import AudioEncoderStage
 
-
-def make_ctx(kind, model_dir, params=None, **batching):
-    return StageContext(
-        stage_name=kind,
-        kind=kind,
-        model_path=str(model_dir),
-        model_subfolder=None,
-        model_prefix=None,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        batching=BatchingSpec(**{"max_wait_ms": 0.0, **batching}),
-        params=dict(params or {}),
-    )
+from .conftest import make_ctx
 
 
 def _wav_bytes(samples: np.ndarray, rate: int) -> bytes:

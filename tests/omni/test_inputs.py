@@ -11,19 +11,7 @@ import torch
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.omni.inputs import SPEECH_SYSTEM_PROMPT, OmniProcessor
 
-
-def _reference_processor(path):
-    """transformers' processor; its torchvision-only video processor check is skipped (the
-    text and audio paths never use it)."""
-    from transformers import AutoTokenizer, WhisperFeatureExtractor
-    from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
-
-    class WithoutVideo(Qwen2_5OmniProcessor):
-        def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    return WithoutVideo(feature_extractor=WhisperFeatureExtractor.from_pretrained(str(path)), tokenizer=tok)
+from .conftest import reference_processor
 
 
 def _noise(seconds: float, seed: int, rate: int = 16000) -> np.ndarray:
@@ -32,7 +20,7 @@ def _noise(seconds: float, seed: int, rate: int = 16000) -> np.ndarray:
 
 def test_prompt_and_features_equal_the_transformers_processor(omni_dir):
     ours = OmniProcessor(omni_dir)
-    ref = _reference_processor(omni_dir)
+    ref = reference_processor(omni_dir)
     audios = [_noise(1.37, 0), _noise(2.9, 1), _noise(0.2, 2)]
     messages = [
         {"role": "user", "content": [{"type": "audio", "audio": "a"}, {"type": "text", "text": "What is this?"}]},

@@ -1,0 +1,210 @@
+"""The `thinker` stage: Qwen2.5-Omni's text model on the `ar_lm` engine, with audio merged in.
+
+A request gives chat `messages` (typed parts: text, audio) and, from the `audio_encoder`,
+`audio_embeds` (one tensor per audio part, in order). The stage renders the chat template
+(with the speech system prompt when the answer is spoken), expands each `<|AUDIO|>` to its
+encoder length, embeds the text tokens with the thinker's own table and puts the audio rows at
+the placeholders. Positions: with audio and text only, transformers' `get_rope_index` gives
+every token the same id on all three M-RoPE axes (audio spans advance one per row), which is
+what the engine does for a prompt without position_ids; images and video are not built yet.
+
+Prefix caching covers the audio content: each prompt position is keyed by its token id, or
+for an audio row by a 64-bit digest of that audio's embeddings, so two requests with equal
+token ids but different audio never share KV blocks and the same audio twice does.
+
+Per generated token it streams `talker_embeds`, what the talker conditions on: a chunk
+{"prompt": [P, hidden]} once the prompt has run (input embeddings with the multimodal rows
+zeroed, as transformers hands them to the talker, plus the last layer's hidden states), then
+{"reply": [k, hidden]} rows (token embedding + last hidden state) for each generated token as
+it is fed back. A request whose prompt rows are needed skips prefix-cache hits (cached
+positions are not run, so their hidden states would be missing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.ar.stage import REQUEST_PARAMS as AR_REQUEST_PARAMS
+from omnistage.stages.ar.stage import STAGE_PARAMS as AR_STAGE_PARAMS
+from omnistage.stages.ar.stage import ARLMStage
+from omnistage.stages.base import Emission, Port, StageContext
+from omnistage.stages.omni.inputs import OmniProcessor
+from omnistage.stages.params import Param, ParamSet
+from omnistage.stages.registry import register_stage
+
+STAGE_PARAMS = ParamSet(
+    "thinker",
+    # hidden_state_layers stays declared (the ar_lm code reads it) but the stage sets it itself.
+    tuple(p for p in AR_STAGE_PARAMS.params if p.name != "weight_prefix")
+    + (
+        Param("weight_prefix", "string", "thinker.", "The thinker's weights' prefix in the Omni checkpoint."),
+        Param("talker_output", "boolean", True, "Stream talker_embeds for spoken answers."),
+    ),
+)
+REQUEST_PARAMS = AR_REQUEST_PARAMS.extended(
+    "thinker request",
+    (Param("return_audio", "boolean", True, "The answer will be spoken: speech system prompt, talker_embeds."),),
+)
+_LAST_LAYER = -1
+
+
+def content_key(rows: torch.Tensor) -> int:
+    """A negative 64-bit key for one multimodal item (negative: never a token id)."""
+    digest = hashlib.blake2b(rows.detach().contiguous().cpu().numpy().tobytes(), digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "little") >> 1)
+
+
+@dataclass
+class OmniPrompt:
+    token_ids: list[int]
+    embeds: torch.Tensor | None  # None: text only (plain token prompt)
+    media_mask: torch.Tensor | None  # [T] bool: rows that came from an encoder
+    cache_keys: list[int] | None
+
+
+@dataclass
+class _TalkerFeed:
+    """Per request: how many of its prompt rows arrived, and those rows until all did."""
+
+    num_prompt: int
+    media_mask: torch.Tensor | None
+    prompt_rows: list[torch.Tensor] = field(default_factory=list)
+    rows_seen: int = 0
+
+
+@register_stage("thinker")
+class ThinkerStage(ARLMStage):
+    inputs = {
+        "messages": Port("json"),
+        "audio_embeds": Port("embeddings", optional=True),
+    }
+    outputs = {
+        "text": Port("text", streaming=True),
+        "tokens": Port("tokens", streaming=True),
+        "talker_embeds": Port("hidden_states", streaming=True),
+        "info": Port("json"),
+    }
+    stage_params = STAGE_PARAMS
+    request_params = REQUEST_PARAMS
+
+    @classmethod
+    def ports(cls, params: dict[str, Any]) -> tuple[dict[str, Port], dict[str, Port]]:
+        ins, outs = dict(cls.inputs), dict(cls.outputs)
+        if not (params or {}).get("talker_output", True):
+            outs.pop("talker_embeds")
+        return ins, outs
+
+    def __init__(self, ctx: StageContext):
+        params = STAGE_PARAMS.validate(ctx.params)
+        self.talker_output = params.pop("talker_output")
+        params["hidden_state_layers"] = [0, _LAST_LAYER] if self.talker_output else []
+        super().__init__(dataclasses.replace(ctx, params=params))
+        self.processor = OmniProcessor(ctx.model_path)
+        self._feeds: dict[str, _TalkerFeed] = {}
+        self._admitting: OmniPrompt | None = None
+        self._speech = False
+
+    # -- admission -------------------------------------------------------------------------
+    def _admit(self, request) -> None:
+        params = dict(request.params)
+        speech = params.pop("return_audio", True)
+        if not isinstance(speech, bool):
+            raise InvalidRequestError("return_audio must be a boolean", param="return_audio")
+        wants_rows = speech and self.talker_output
+        if wants_rows:  # a unique salt: no prefix-cache hits, every prompt row is computed
+            params["cache_salt"] = f"{params.get('cache_salt') or ''}\0talker:{request.request_id}"
+        self._speech = speech
+        super()._admit(dataclasses.replace(request, params=params))
+        prompt = self._admitting
+        if prompt.cache_keys is not None:
+            for seq in self.engine.requests.get(request.request_id, ()):
+                seq.prompt_cache_keys = prompt.cache_keys
+        if wants_rows:
+            self._feeds[request.request_id] = _TalkerFeed(len(prompt.token_ids), prompt.media_mask)
+
+    def _prompt(self, inputs: dict[str, Any]):
+        prompt = self.build_prompt(inputs.get("messages"), inputs.get("audio_embeds"), self._speech)
+        self._admitting = prompt
+        return prompt.token_ids, prompt.embeds, None
+
+    def build_prompt(self, messages: Any, audio_embeds: Any, speech: bool) -> OmniPrompt:
+        audios = (
+            []
+            if audio_embeds is None
+            else list(audio_embeds)
+            if isinstance(audio_embeds, (list, tuple))
+            else [audio_embeds]
+        )
+        text = self.processor.prompt_text(messages, speech=speech)
+        ids = self.processor.expand_audio(text, [int(a.shape[0]) for a in audios])
+        if not audios:
+            return OmniPrompt(ids, None, None, None)
+        hidden = self.engine.model.embed_tokens.weight.shape[1]
+        if any(a.dim() != 2 or a.shape[1] != hidden for a in audios):
+            raise InvalidRequestError(f"audio_embeds must be [tokens, {hidden}] tensors", param="audio_embeds")
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        mask = ids_t == self.processor.audio_token_id
+        table = self.engine.model.embed_tokens
+        with torch.no_grad():
+            embeds = table(ids_t.to(table.weight.device)).float().cpu()
+        embeds[mask] = torch.cat([a.float().cpu() for a in audios])
+        keys = list(ids)
+        at = mask.nonzero().flatten().tolist()
+        offset = 0
+        for a in audios:
+            key = content_key(a)
+            for i in at[offset : offset + a.shape[0]]:
+                keys[i] = key
+            offset += a.shape[0]
+        return OmniPrompt(ids, embeds, mask, keys)
+
+    def abort(self, request_id: str) -> None:
+        self._feeds.pop(request_id, None)
+        super().abort(request_id)
+
+    # -- output ----------------------------------------------------------------------------
+    def _emission(self, live, outs: list) -> Emission | None:
+        emission = super()._emission(live, outs)
+        if emission is None:
+            return None
+        hidden = emission.outputs.pop("hidden_states", None)
+        feed = self._feeds.get(live.request_id)
+        if feed is not None and hidden is not None:
+            chunk = self._talker_chunk(feed, hidden)
+            if chunk is not None:
+                emission.outputs["talker_embeds"] = chunk
+        if emission.finished:
+            self._feeds.pop(live.request_id, None)
+        if not emission.outputs and not emission.finished:
+            return None
+        return emission
+
+    def _talker_chunk(self, feed: _TalkerFeed, hidden: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """hidden [rows, 2, H] (layer 0, last layer) of the rows run this step -> the talker's
+        input rows: embedding (multimodal rows zeroed in the prompt) + last hidden state."""
+        start = feed.rows_seen
+        feed.rows_seen += hidden.shape[0]
+        embed = hidden[:, 0].clone()
+        n_prompt = max(0, min(feed.num_prompt, feed.rows_seen) - start)
+        if n_prompt and feed.media_mask is not None:
+            embed[:n_prompt][feed.media_mask[start : start + n_prompt]] = 0
+        rows = embed + hidden[:, 1]
+        chunk: dict[str, torch.Tensor] = {}
+        if n_prompt:
+            feed.prompt_rows.append(rows[:n_prompt])
+            if start + n_prompt == feed.num_prompt:
+                chunk["prompt"] = torch.cat(feed.prompt_rows)
+                feed.prompt_rows = []
+        if n_prompt < rows.shape[0]:
+            chunk["reply"] = rows[n_prompt:]
+        return chunk or None
+
+    def close(self) -> None:
+        self._feeds.clear()
+        super().close()
