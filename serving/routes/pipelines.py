@@ -148,13 +148,12 @@ async def _stream_response(request, pipeline, body, inputs, formats, request_id)
     stream = pipeline.stream(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
     # Wait for the first chunk before any byte is sent: a refusal at admission (400, 503, ...)
     # raises here and leaves with its own status instead of inside a 200 stream.
+    # A failure or cancellation inside anext() finishes the generator (its own finally aborts
+    # the request), so there is nothing to close here on those paths.
     try:
         first = await unless_disconnected(request, anext(stream))
     except StopAsyncIteration:
         first = None
-    except BaseException:
-        await stream.aclose()
-        raise
 
     def event(chunk) -> bytes:
         return sse_event(
