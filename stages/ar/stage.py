@@ -19,7 +19,7 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.ar.config import SAMPLING_PARAMS, SamplingParams
-from omnistage.stages.ar.text import OutputText, TextTokenizer, normalize_stop
+from omnistage.stages.ar.text import OutputText, TextTokenizer, check_text, normalize_stop
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
@@ -280,13 +280,8 @@ class ARLMStage(StageEngine):
         if text_inputs and self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send tokens or embeddings")
         embeds = positions = None
-        if "prompt" in given:
-            prompt = inputs["prompt"]
-            if not isinstance(prompt, str):
-                raise InvalidRequestError("prompt must be a string", param="prompt")
-            ids = self.tokenizer.encode(prompt)
-        elif "messages" in given:
-            ids = self.tokenizer.encode_chat(inputs["messages"])
+        if text_inputs:
+            ids = self._text_ids(text_inputs[0], inputs[text_inputs[0]])
         else:
             ids = _as_token_list(inputs["tokens"]) if "tokens" in given else None
             if "embeddings" in given:
@@ -302,6 +297,28 @@ class ARLMStage(StageEngine):
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids, embeds, positions
+
+    def _text_ids(self, form: str, value: Any) -> list[int]:
+        """Token ids of a prompt or chat. A text too long for any tokenization of it to fit the
+        context is refused before tokenizing: tokenizing megabytes would stall every request
+        of this stage's batch."""
+        if form == "prompt":
+            if not isinstance(value, str):
+                raise InvalidRequestError("prompt must be a string", param="prompt")
+            chars = len(value)
+        else:
+            chars = _chat_chars(value)
+        limit = self.tokenizer.max_chars(self.engine.max_model_len)
+        if chars > limit:
+            raise InvalidRequestError(
+                f"{form} has {chars} characters: more than this model's context of "
+                f"{self.engine.max_model_len} tokens can hold (at most {limit} characters)",
+                param=form,
+            )
+        if form == "prompt":
+            check_text(value, "prompt")
+            return self.tokenizer.encode(value)
+        return self.tokenizer.encode_chat(value)
 
     # -- output ----------------------------------------------------------------------------
     def _emission(self, live: _Live, outs: list) -> Emission | None:
@@ -395,6 +412,20 @@ def _logprob_entries(new_ids: list[int], new_logprobs: list[dict[int, float]]) -
             }
         )
     return entries
+
+
+def _chat_chars(messages: Any) -> int:
+    """Characters of the messages' text content (a cheap pass; validate_messages checks them)."""
+    if not isinstance(messages, list):
+        return 0
+    total = 0
+    for msg in messages:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
 
 
 def _as_token_list(value: Any) -> list[int]:

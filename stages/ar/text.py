@@ -23,6 +23,19 @@ from typing import Any
 from omnistage.errors import InvalidRequestError
 
 REPLACEMENT_CHAR = "\ufffd"
+# Chat roles the checkpoints' templates render (OpenAI's names); any other is refused.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse a string that is not valid Unicode (a lone surrogate such as "\\ud800"): it
+    cannot be encoded as UTF-8, so no tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode text: a lone surrogate at character {exc.start}", param=param
+        ) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -51,6 +64,20 @@ class TextTokenizer:
         self.eos_token = _token_content(config.get("eos_token"))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: no token covers more of a text (byte-level
+        vocabularies spell each byte as one character, so this is also the bytes bound)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
+
+    def max_chars(self, num_tokens: int) -> int:
+        """A text longer than this cannot encode to num_tokens tokens or fewer. Slack of 4x:
+        a Unicode normalizer may compose characters (3 Hangul jamo -> 1 syllable) first."""
+        return num_tokens * self.max_token_chars * 4
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> TextTokenizer:
@@ -147,6 +174,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise InvalidRequestError(f"messages[{i}] needs a string 'role'", param="messages")
+        if msg["role"] not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {msg['role'][:40]!r}",
+                param="messages",
+            )
         content = msg.get("content", "")
         if isinstance(content, list):
             parts = []
@@ -162,6 +194,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""
         elif not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string", param="messages")
+        check_text(content, "messages")
         out.append({**msg, "content": content})
     return out
 
