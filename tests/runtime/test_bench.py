@@ -3,6 +3,7 @@
 import json
 
 from omnistage.bench.plot import SERIES_COLORS
+from omnistage.bench.plot import main as plot_main
 from omnistage.bench.runtime import main
 
 
@@ -20,6 +21,10 @@ def test_bench_runtime_quick(tmp_path, png_colors):
     # the histogram's data points are in the JSON, and the PNG draws both series
     assert len(result["samples"]["hop_us"]) == result["settings"]["hops_per_run"] * result["settings"]["runs"]
     assert sorted(result["samples"]["hop_us"])[len(result["samples"]["hop_us"]) // 2] > 0
-    colors = png_colors(png)
-    for series in ("omnistage", "pipe_hop"):
-        assert png_colors.rgb(SERIES_COLORS[series]) in colors, series
+    # `omnistage bench plot` draws the same figure again from the saved JSON
+    redrawn = tmp_path / "hops-again.png"
+    assert plot_main([str(out), "-o", str(redrawn)]) == 0
+    for path in (png, redrawn):
+        colors = png_colors(path)
+        for series in ("omnistage", "pipe_hop"):
+            assert png_colors.rgb(SERIES_COLORS[series]) in colors, (path.name, series)
