@@ -161,7 +161,7 @@ def run_hf_generate_batch(job: dict) -> dict:
     model = _hf_model(job)
     prompts, outs = job["prompts"], job["output_lens"]
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
-    # Default settings; --quick caps the cache (the default sizes it from free RAM: ~8 GB here).
+    # Default settings; --quick caps the cache (the default sizes it from free memory).
     cb_config = ContinuousBatchingConfig(**job.get("hf_cb_overrides", {}))
     runs, settings = [], {}
     for r in range(job["runs"]):
