@@ -13,6 +13,7 @@ when the consumer stage finishes the request (or the request ends).
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import queue
 import signal
@@ -23,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import setproctitle
 import torch
 
 from omnistage.graph.spec import PipelineSpec
@@ -67,6 +69,11 @@ class WorkerConfig:
     # spec.edges index -> multiprocessing semaphore, for this stage's out-edges with max_inflight
     permits: dict[int, Any] = field(default_factory=dict)
     generation: int = 0
+
+
+def process_title(cfg: WorkerConfig) -> str:
+    """`omnistage: <pipeline>/<stage>#<replica>`, the worker's name in process listings."""
+    return f"omnistage: {cfg.spec.name}/{cfg.stage}#{cfg.replica}"
 
 
 def build_engine(cfg: WorkerConfig) -> StageEngine:
@@ -416,6 +423,15 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
     # work through the parent); a parent that disappears closes the pipe and ends the worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # what `ps` and `top` show for this worker; SPT_NOENV keeps /proc/<pid>/environ intact
+    # (the title then fits in the fork server's long command line instead of growing into it)
+    os.environ["SPT_NOENV"] = "1"
+    setproctitle.setproctitle(process_title(cfg))
+    # Libraries create multiprocessing locks (tqdm does on its first bar); under the start
+    # method inherited from the fork server those are named /dev/shm/sem.mp-* files that only
+    # a clean exit unlinks, so a killed worker would leave one behind per restart. A "fork"
+    # default makes them anonymous. Workers start no processes of their own.
+    multiprocessing.set_start_method("fork", force=True)
     apply_allocator_defaults()  # before the engine allocates anything
     threads = max(1, int(cfg.spec.stages[cfg.stage].pool.threads))
     torch.set_num_threads(threads)

@@ -1,0 +1,44 @@
+"""Closing a pipeline leaves no worker process and no /dev/shm segment.
+
+The pipelines here are the test's own (the shared session ones stay open for other tests),
+so this runs in any order; a finalizer closes them even when an assertion fails first.
+"""
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+
+from omnistage.tests.runtime.conftest import SMALL_YAML, pid_exists
+
+
+@pytest.fixture
+def own_pipelines():
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    pipelines = []
+    try:
+        pipelines.append(Pipeline.from_yaml("tiny-diamond", ready_timeout=120))
+        pipelines.append(Pipeline.from_spec(load_pipeline_text(SMALL_YAML, "sleepy.yaml"), ready_timeout=120))
+        yield pipelines
+    finally:
+        for p in pipelines:
+            p.close(drain_timeout=0)  # no-op for those the test closed
+
+
+def test_close_leaves_no_process_or_shared_memory(own_pipelines):
+    diamond, sleepy = own_pipelines
+    # use shared memory in both before closing
+    assert torch.equal(sleepy.run({"x": torch.ones(100_000)})["y"], torch.ones(100_000))
+    diamond.run({"x": torch.randn(1100, 8)})  # > 32 KiB: input travels via /dev/shm
+    pids = [pid for p in own_pipelines for reps in p.worker_pids().values() for pid in reps]
+    prefixes = [p.shm_prefix for p in own_pipelines]
+    assert any(f.startswith(prefixes[0]) for f in os.listdir("/dev/shm"))
+    for p in own_pipelines:
+        p.close(drain_timeout=5)
+        assert not p.ready
+    assert not [pid for pid in pids if pid_exists(pid)]
+    assert not [c for c in multiprocessing.active_children() if c.pid in pids]
+    assert not [f for f in os.listdir("/dev/shm") if any(f.startswith(pre) for pre in prefixes)]
