@@ -49,7 +49,8 @@ class TensorSpec:
         if self.shape is not None and (
             len(got) != len(self.shape) or any(want is not None and want != d for want, d in zip(self.shape, got))
         ):
-            return f"must have shape {self.describe()}, got shape [{', '.join(map(str, got))}]"
+            want = TensorSpec(shape=self.shape).describe()
+            return f"must have shape {want}, got shape [{', '.join(map(str, got))}]"
         name = str(dtype).removeprefix("torch.")
         if self.dtype is not None and name != self.dtype:
             return f"must have dtype {self.dtype}, got {name}"
