@@ -78,7 +78,7 @@ def run_and_compare(comps, wan_reference):
             guidance_scale=raw.get("guidance_scale", 5.0),
         )[0]
         assert frames.shape == (raw["num_frames"], raw["height"], raw["width"], 3)
-        assert (frames - ref).abs().max().item() < 1e-3
+        assert (frames - ref).abs().max().item() < 1e-4  # float32 rounding; see test_wan_sensitivity.py
 
 
 def test_temporal_chunks_equal_vae_decode_with_several_latent_frames_per_chunk(tiny_wan_dir):
