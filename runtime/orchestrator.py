@@ -34,7 +34,6 @@ from omnistage.errors import (
     WorkerDiedError,
 )
 from omnistage.graph.inputs import check_inputs
-from omnistage.graph.inputs import check_inputs
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
 from omnistage.runtime.ledger import DeadSegments, EdgePermits, SlotBook
 from omnistage.runtime.messages import (
@@ -212,7 +211,6 @@ class Orchestrator:
             raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
         if spec.inputs and not inputs:
             raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
-        check_inputs(spec, inputs)  # declared shapes/dtypes (graph/inputs.py): 400 before any stage
         check_inputs(spec, inputs)  # declared shapes/dtypes (graph/inputs.py): 400 before any stage
         params = dict(params or {})
         bad = set(params) - set(spec.stages)
