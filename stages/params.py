@@ -28,6 +28,7 @@ Stable API for other layers (serving lists a pipeline's params with these):
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -183,7 +184,9 @@ class Param:
     def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "type": self.type + (" | null" if self.nullable else "") + (", required" if self.required else ""),
+            "type": self.type,
+            "nullable": self.nullable,
+            "required": self.required,
             "default": self.default,
             "range": f"one of {', '.join(map(str, self.choices))}" if self.choices else self.range_text(),
             "description": self.description,
@@ -320,18 +323,15 @@ class ParamSet:
             return "Any keys (passed on unchecked).\n" if self.open else "None.\n"
         lines = ["| param | type | default | range | description |", "|---|---|---|---|---|"]
         for d in self.describe():
+            kind = d["type"] + (" or null" if d["nullable"] else "") + (", required" if d["required"] else "")
             default = "" if d["default"] is None else f"`{_markdown_value(d['default'])}`"
-            lines.append(
-                f"| `{d['name']}` | {d['type']} | {default} | {d['range'].replace('|', '/')} | "
-                f"{d['description'].replace('|', '/')} |"
-            )
+            cells = [f"`{d['name']}`", kind, default, d["range"], d["description"]]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines) + "\n"
 
 
 def _markdown_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    return json.dumps(value)
 
 
 NO_PARAMS = ParamSet("stage")
@@ -361,6 +361,27 @@ def kind_params(kind: str) -> KindParams:
     return KindParams(kind, cls.stage_params, cls.request_params)
 
 
+DOC_HEADER = """# Stage parameters
+
+Every stage kind declares its parameters in code (`stage_params` and `request_params` of its
+class, see `stages/params.py`); the tables below are generated from those declarations, so
+they are what the server checks. Stage params go under a stage's `params:` in the pipeline
+YAML and are checked when the file loads; per-request params go under
+`params: {STAGE_NAME: {...}}` of a request. An unknown key or a bad value fails the request
+with HTTP 400 whose error `param` names the parameter.
+
+Regenerate after changing a declaration:
+
+    python -m omnistage.stages.params > docs/params.md
+
+"""
+
+
+def params_doc() -> str:
+    """docs/params.md as generated from the declarations."""
+    return DOC_HEADER + params_markdown()
+
+
 def params_markdown(kinds: Iterable[str] | None = None) -> str:
     """Markdown tables of every (or the given) stage kind's params, as docs/params.md holds."""
     from omnistage.stages.registry import KIND_MODULES
@@ -371,3 +392,7 @@ def params_markdown(kinds: Iterable[str] | None = None) -> str:
         parts.append(f"## `{kind}`\n\nStage params (YAML `params:`):\n\n{kp.stage.markdown_table()}")
         parts.append(f"Per-request params (`params: {{stage: {{...}}}}`):\n\n{kp.request.markdown_table()}")
     return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(params_doc(), end="")
