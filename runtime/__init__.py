@@ -1,7 +1,10 @@
 """Embedded runtime: runs a PipelineSpec across worker processes on one machine.
 
 pipeline.py      the Pipeline API (run / stream / generate / abort / stage_stats / close)
-orchestrator.py  hub thread in the parent: admission, routing, deadlines, aborts, worker death
+orchestrator.py  hub thread in the parent: admission, deadlines, worker death, stats, close
+routing.py       the requests in flight and how their data moves between stages (Router)
+replicas.py      replica state (ReplicaState) and the worker processes' start and stop
+ledger.py        edge permits, shared-memory slots handed to stages, dead workers' segments
 worker.py        one process per stage replica: the engine loop
 assembler.py     transport-agnostic input assembly (fan-in join, re-chunking, concatenation)
 shm.py           pooled /dev/shm segments for tensors (zero-copy reads), inline/CUDA refs
