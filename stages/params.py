@@ -370,9 +370,12 @@ YAML and are checked when the file loads; per-request params go under
 `params: {STAGE_NAME: {...}}` of a request. An unknown key or a bad value fails the request
 with HTTP 400 whose error `param` names the parameter.
 
-Regenerate after changing a declaration:
+Regenerate after changing a declaration (from the checkout's root):
 
-    python -m omnistage.stages.params > docs/params.md
+<!-- doc-test: skip edits the checkout -->
+```sh
+python -m omnistage.stages.params > docs/params.md
+```
 
 """
 
