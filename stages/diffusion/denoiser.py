@@ -1,6 +1,8 @@
 """Stage kind `denoiser`: step-level continuous batching over per-request scheduler state.
 
-add() validates the request (family rules, and the stage params max_inference_steps
+add() validates the request (the checkpoint's size range with its defaults filled in,
+stages/diffusion/limits.py; the stage param `defaults` restates them per pipeline; and the
+stage params max_inference_steps
 (default 1000), max_images_per_prompt (64), max_frames (1024), max_pixels (4096x4096)) and
 prepares its DenoiseState (latents from its own generator, its own scheduler); every step() runs one shared transformer forward through the StepEngine
 and emits progress (step i of n) for each request in it, and the final latents when done.
@@ -16,6 +18,7 @@ from omnistage.stages.diffusion.adapters.base import (
     GenerationParams,
     TextConditioning,
 )
+from omnistage.stages.diffusion.limits import defaults_problem
 from omnistage.stages.diffusion.loading import build_adapter
 from omnistage.stages.diffusion.step_engine import StepEngine
 from omnistage.stages.params import Param, ParamSet
@@ -44,6 +47,15 @@ STAGE_PARAMS = ParamSet(
             minimum=0,
             nullable=True,
         ),
+        Param(
+            "defaults",
+            "mapping",
+            None,
+            "This pipeline's defaults for what a request leaves out ({height, width, num_frames, "
+            "num_inference_steps, guidance_scale}); default: the model family's, fitted to the checkpoint.",
+            nullable=True,
+            check=defaults_problem,
+        ),
     ),
 )
 
@@ -65,6 +77,7 @@ class DenoiserStage(StageEngine):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "DENOISER")
         p = STAGE_PARAMS.validate(ctx.params)
+        self.adapter.limits = self.adapter.limits.with_defaults(p["defaults"])
         self.engine = StepEngine(
             self.adapter,
             max_batch_size=ctx.batching.max_batch_size,

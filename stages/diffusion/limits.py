@@ -153,22 +153,19 @@ class ModelLimits:
         return {"family": self.family, **dataclasses.asdict(self.defaults), **dataclasses.asdict(self.sizes)}
 
 
-def defaults_problems(value: Any) -> list[str]:
-    """YAML validation of a stage's `defaults:` param (types only; the range is the model's)."""
-    if value is None:
-        return []
-    if not isinstance(value, dict):
-        return [f"defaults must be a mapping of {', '.join(DEFAULT_KEYS)}, got {value!r}"]
+def defaults_problem(value: Any) -> str | None:
+    """YAML validation of a denoiser's `defaults:` param (keys and types; the range is the
+    model's, checked when the stage starts)."""
     problems = []
-    for key, v in value.items():
+    for key, v in dict(value or {}).items():
         if key not in DEFAULT_KEYS:
-            problems.append(f"defaults.{key}: unknown key (known: {', '.join(DEFAULT_KEYS)})")
+            problems.append(f"unknown key {key!r} (known: {', '.join(DEFAULT_KEYS)})")
         elif key == "guidance_scale":
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                problems.append(f"defaults.guidance_scale must be a number >= 0, got {v!r}")
+                problems.append(f"guidance_scale must be a number >= 0, got {v!r}")
         elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            problems.append(f"defaults.{key} must be a positive integer, got {v!r}")
-    return problems
+            problems.append(f"{key} must be a positive integer, got {v!r}")
+    return "; ".join(problems) or None
 
 
 def read_config(folder: Path | None) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import torch
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageRequest
 from omnistage.stages.diffusion.adapters.base import GENERATION_PARAMS, LOADING_PARAMS, GenerationParams
+from omnistage.stages.diffusion.limits import checkpoint_limits
 from omnistage.stages.diffusion.loading import build_adapter
 from omnistage.stages.dynamic import PreparedBatchEngine
 from omnistage.stages.params import ParamSet
@@ -38,6 +39,8 @@ class TextEncoderStage(PreparedBatchEngine):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "TEXT_ENCODER")
+        # the checkpoint's size range, so a size the denoiser cannot take fails here, first
+        self.model_limits = checkpoint_limits(ctx)
 
     prepare_errors = (InvalidRequestError,)
 
@@ -51,6 +54,8 @@ class TextEncoderStage(PreparedBatchEngine):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
         raw["prompt"] = prompt
         params = GenerationParams.from_dict(raw)
+        if self.model_limits is not None:
+            self.model_limits.check(params)
         msl = params.max_sequence_length or self.adapter.default_max_sequence_length()
         limit = self.adapter.max_allowed_sequence_length()
         if msl > limit:
