@@ -100,3 +100,20 @@ def test_character_bound_is_sound_for_this_tokenizer(stage, hf_tokenizer):
     n = len(hf_tokenizer(text, add_special_tokens=False)["input_ids"])
     assert len(text) <= stage.tokenizer.max_chars(n)
     assert stage.tokenizer.max_token_chars >= len(longest)
+
+
+@pytest.mark.parametrize(
+    "params,param",
+    [
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"stop": 3}, "stop"),
+        ({"priority": True}, "priority"),
+        ({"temprature": 0.5}, "temprature"),
+    ],
+)
+def test_bad_request_params_name_the_parameter(stage, params, param):
+    stage.add(StageRequest("p", {"tokens": [5, 6, 7]}, params))
+    err = _only(drain(stage)["p"])
+    assert err.error_kind == "invalid_request" and err.param == param and param in err.error
