@@ -57,13 +57,14 @@ def _to_inputs(spec: Any, inputs: dict[str, Any]) -> dict[str, Any]:
             out[port] = value
             continue
         # JSON numbers: token ids are integers, every other tensor-like port is float32.
-        dtype = torch.long if port_type == "tokens" else torch.float32
         try:
-            out[port] = torch.tensor(value, dtype=dtype)
+            out[port] = torch.tensor(value, dtype=None if port_type == "tokens" else torch.float32)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidRequestError(
                 f"input {port!r} ({port_type}) is not a numeric array: {exc}", param=f"inputs.{port}"
             ) from exc
+        if port_type == "tokens" and out[port].dtype != torch.long:  # [1.7, 2.2] is refused, not truncated
+            raise InvalidRequestError(f"input {port!r} (tokens) must hold integers only", param=f"inputs.{port}")
     unknown = set(inputs) - set(spec.inputs)
     if unknown:
         raise InvalidRequestError(

@@ -117,3 +117,17 @@ def test_bad_request_params_name_the_parameter(stage, params, param):
     stage.add(StageRequest("p", {"tokens": [5, 6, 7]}, params))
     err = _only(drain(stage)["p"])
     assert err.error_kind == "invalid_request" and err.param == param and param in err.error
+
+
+def test_http_run_route_refuses_fractional_token_ids_instead_of_truncating():
+    """The generic run route builds the `tokens` input from JSON: [1.7, 2.2] once became [1, 2]."""
+    from omnistage.errors import InvalidRequestError
+    from omnistage.graph.loader import load_pipeline, resolve_pipeline_path
+    from omnistage.serving.routes.pipelines import _to_inputs
+
+    spec = load_pipeline(resolve_pipeline_path("tiny-llm"))
+    assert _to_inputs(spec, {"tokens": [5, 6, 7]})["tokens"].tolist() == [5, 6, 7]
+    for bad in ([1.7, 2.2], [1, 2.5], [True, False]):
+        with pytest.raises(InvalidRequestError) as err:
+            _to_inputs(spec, {"tokens": bad})
+        assert err.value.param == "inputs.tokens"
