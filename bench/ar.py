@@ -238,7 +238,7 @@ def _run_subprocess(system: str, job_path: Path, out_path: Path, timeout: float)
 
 
 def _orchestrate(args, argv: list[str]) -> int:
-    from omnistage.bench.ar_common import aggregate, median_min_max, write_json
+    from omnistage.bench.ar_common import write_json
 
     started = time.time()
     load_start = os.getloadavg()
@@ -247,52 +247,8 @@ def _orchestrate(args, argv: list[str]) -> int:
     for s in systems:
         if s not in SYSTEMS:
             raise SystemExit(f"unknown system {s!r}; known: {', '.join(SYSTEMS)}")
-    # Runs are interleaved (round r runs every system once, each in a fresh process), so a
-    # change in the machine's load hits every system alike, and the order rotates from round
-    # to round, so a machine that slows under sustained load does not charge it to whichever
-    # system always runs last. Round 0 also does the greedy check and the prefix-cache part.
-    # Between systems the machine idles for settle_s, the same pause for every system: after a
-    # process frees GiBs (transformers' continuous batching) a VM's host can stay busy long
-    # enough to slow the next system's timed pass (docs/bench-ar.md, "Method").
     settle_s = args.settle_s if args.settle_s is not None else (0.0 if args.quick else 20.0)
-    results: dict[str, dict] = {}
-    rounds = job["runs"]
-    sequence: list[list[str]] = []
-    with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
-        for r in range(rounds):
-            job_path = Path(tmp) / f"job{r}.json"
-            job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0, "prefix_runs": rounds}))
-            sequence.append([])
-            for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
-                if "error" in results.get(system, {}):
-                    continue
-                if settle_s > 0 and (r > 0 or sequence[-1]):
-                    time.sleep(settle_s)
-                sequence[-1].append(system)
-                print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr, flush=True)
-                res = _run_subprocess(
-                    system, job_path, Path(tmp) / f"{system}{r}.json", timeout=300 if args.quick else 3600
-                )
-                if "error" in res:
-                    print(f"bench ar: {system} FAILED: {res['error'][-800:]}", file=sys.stderr)
-                    results[system] = res
-                    continue
-                run = res["runs"][0]
-                print(
-                    f"bench ar: {system}: {run['output_tok_s']:.1f} tok/s (ttft p50 "
-                    f"{run['ttft_ms_p50']:.0f} ms, tpot p50 {run['tpot_ms_p50']:.1f} ms, peak RSS "
-                    f"{res['peak_rss_mb']:.0f} MiB, {res['process_wall_s']:.0f}s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                if system not in results:
-                    results[system] = res
-                else:
-                    merged = results[system]
-                    merged["runs"] += res["runs"]
-                    merged["sweeps"] = merged.get("sweeps", []) + res.get("sweeps", [])
-                    merged["peak_rss_mb"] = max(merged["peak_rss_mb"], res["peak_rss_mb"])
-
+    results, sequence = _run_rounds(job, systems, settle_s, timeout=300 if args.quick else 3600)
     out = {
         "bench": "ar",
         "quick": args.quick,
@@ -313,56 +269,10 @@ def _orchestrate(args, argv: list[str]) -> int:
             "settle_s": settle_s,
         },
         **meta,
-        "systems": {},
-        "ratios": {},
-        "checks": {},
+        **_figures(results, job),
+        "targets": {"vs_hf_serial": 6, "vs_hf_static": 2, "vs_hf_generate_batch": 5, "prefix_ttft_max": 0.2},
+        "elapsed_s": time.time() - started,
     }
-    for system, res in results.items():
-        if "error" in res:
-            out["systems"][system] = {"error": res["error"]}
-            continue
-        entry = {**aggregate(res["runs"]), "peak_rss_mb": res["peak_rss_mb"], "settings": res.get("settings", {})}
-        if system == "omnistage":
-            entry["mode"] = res.get("mode")
-            entry["engine_stats"] = res.get("engine_stats", {})
-            out["omnistage_mode"] = res.get("mode")
-        out["systems"][system] = entry
-
-    def tok_s(system):
-        entry = out["systems"].get(system, {})
-        return entry.get("output_tok_s", {}).get("median")
-
-    omni = tok_s("omnistage")
-    for key, base in (
-        ("vs_hf_serial", "hf_serial"),
-        ("vs_hf_static", "hf_static"),
-        ("vs_hf_generate_batch", "hf_generate_batch"),
-    ):
-        out["ratios"][key] = omni / tok_s(base) if omni and tok_s(base) else None
-
-    omni_res = results.get("omnistage", {})
-    prefix = omni_res.get("prefix")
-    if prefix:
-        out["prefix_cache"] = {
-            "ttft_ms_p50_cached": median_min_max(prefix["cached"]),
-            "ttft_ms_p50_uncached": median_min_max(prefix["uncached"]),
-            "cached_prompt_share": median_min_max(prefix["cached_share"]),
-        }
-        un = out["prefix_cache"]["ttft_ms_p50_uncached"]["median"]
-        out["ratios"]["prefix_ttft"] = out["prefix_cache"]["ttft_ms_p50_cached"]["median"] / un
-    else:
-        out["ratios"]["prefix_ttft"] = None
-    out["checks"] = _greedy_check(
-        omni_res.get("greedy"),
-        results.get("hf_serial", {}).get("greedy_reference"),
-        LOGPROB_TOLERANCE.get(job["dtype"], 1e-3),
-    )
-    if omni_res.get("sweeps"):
-        from omnistage.bench.ar_sweep import aggregate_sweeps
-
-        out["concurrency_sweep"] = aggregate_sweeps(omni_res["sweeps"])
-    out["targets"] = {"vs_hf_serial": 6, "vs_hf_static": 2, "vs_hf_generate_batch": 5, "prefix_ttft_max": 0.2}
-    out["elapsed_s"] = time.time() - started
     if args.json_path:
         write_json(args.json_path, out)
     if args.plot and out.get("concurrency_sweep"):
@@ -375,6 +285,111 @@ def _orchestrate(args, argv: list[str]) -> int:
     print(f"omnistage measured through: {out.get('omnistage_mode')}")
     failed = [s for s, r in results.items() if "error" in r]
     return 1 if "omnistage" in failed else 0
+
+
+def _run_rounds(job: dict, systems: list[str], settle_s: float, timeout: float) -> tuple[dict, list[list[str]]]:
+    """Every system once per round, each in a fresh process; returns the merged results per
+    system and the order they ran in.
+
+    Interleaving makes a change in the machine's load hit every system alike, and rotating the
+    order keeps a machine that slows under sustained load from charging it to whichever system
+    always runs last. Round 0 also does the greedy check and the prefix-cache part. Before
+    each system the machine idles settle_s, the same pause for every system: after a process
+    frees GiBs (transformers' continuous batching) a VM's host can stay busy long enough to
+    slow the next system's timed pass (docs/bench-ar.md, "Method").
+    """
+    results: dict[str, dict] = {}
+    rounds = job["runs"]
+    sequence: list[list[str]] = []
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-ar-") as tmp:
+        for r in range(rounds):
+            job_path = Path(tmp) / f"job{r}.json"
+            job_path.write_text(json.dumps({**job, "runs": 1, "extras": r == 0, "prefix_runs": rounds}))
+            sequence.append([])
+            for system in systems[r % len(systems) :] + systems[: r % len(systems)]:
+                if "error" in results.get(system, {}):
+                    continue
+                if settle_s > 0 and (r > 0 or sequence[-1]):
+                    time.sleep(settle_s)
+                sequence[-1].append(system)
+                print(f"bench ar: round {r + 1}/{rounds}: running {system} ...", file=sys.stderr, flush=True)
+                res = _run_subprocess(system, job_path, Path(tmp) / f"{system}{r}.json", timeout=timeout)
+                _merge(results, system, res)
+    return results, sequence
+
+
+def _merge(results: dict[str, dict], system: str, res: dict) -> None:
+    """Adds one round's result of `system` to `results` and reports it on stderr."""
+    if "error" in res:
+        print(f"bench ar: {system} FAILED: {res['error'][-800:]}", file=sys.stderr)
+        results[system] = res
+        return
+    run = res["runs"][0]
+    print(
+        f"bench ar: {system}: {run['output_tok_s']:.1f} tok/s (ttft p50 "
+        f"{run['ttft_ms_p50']:.0f} ms, tpot p50 {run['tpot_ms_p50']:.1f} ms, peak RSS "
+        f"{res['peak_rss_mb']:.0f} MiB, {res['process_wall_s']:.0f}s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    if system not in results:
+        results[system] = res
+        return
+    merged = results[system]
+    merged["runs"] += res["runs"]
+    merged["sweeps"] = merged.get("sweeps", []) + res.get("sweeps", [])
+    merged["peak_rss_mb"] = max(merged["peak_rss_mb"], res["peak_rss_mb"])
+
+
+def _figures(results: dict[str, dict], job: dict) -> dict:
+    """Per-system figures (median, min, max over rounds), the ratios, the prefix cache, the
+    greedy check and the concurrency sweep."""
+    from omnistage.bench.ar_common import aggregate, median_min_max
+
+    out: dict = {"systems": {}, "ratios": {}}
+    for system, res in results.items():
+        if "error" in res:
+            out["systems"][system] = {"error": res["error"]}
+            continue
+        entry = {**aggregate(res["runs"]), "peak_rss_mb": res["peak_rss_mb"], "settings": res.get("settings", {})}
+        if system == "omnistage":
+            entry["mode"] = res.get("mode")
+            entry["engine_stats"] = res.get("engine_stats", {})
+            out["omnistage_mode"] = res.get("mode")
+        out["systems"][system] = entry
+
+    def tok_s(system):
+        return out["systems"].get(system, {}).get("output_tok_s", {}).get("median")
+
+    omni = tok_s("omnistage")
+    for key, base in (
+        ("vs_hf_serial", "hf_serial"),
+        ("vs_hf_static", "hf_static"),
+        ("vs_hf_generate_batch", "hf_generate_batch"),
+    ):
+        out["ratios"][key] = omni / tok_s(base) if omni and tok_s(base) else None
+
+    omni_res = results.get("omnistage", {})
+    prefix = omni_res.get("prefix")
+    out["ratios"]["prefix_ttft"] = None
+    if prefix:
+        out["prefix_cache"] = {
+            "ttft_ms_p50_cached": median_min_max(prefix["cached"]),
+            "ttft_ms_p50_uncached": median_min_max(prefix["uncached"]),
+            "cached_prompt_share": median_min_max(prefix["cached_share"]),
+        }
+        un = out["prefix_cache"]["ttft_ms_p50_uncached"]["median"]
+        out["ratios"]["prefix_ttft"] = out["prefix_cache"]["ttft_ms_p50_cached"]["median"] / un
+    out["checks"] = _greedy_check(
+        omni_res.get("greedy"),
+        results.get("hf_serial", {}).get("greedy_reference"),
+        LOGPROB_TOLERANCE.get(job["dtype"], 1e-3),
+    )
+    if omni_res.get("sweeps"):
+        from omnistage.bench.ar_sweep import aggregate_sweeps
+
+        out["concurrency_sweep"] = aggregate_sweeps(omni_res["sweeps"])
+    return out
 
 
 def markdown_summary(out: dict) -> str:

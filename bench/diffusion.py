@@ -19,13 +19,11 @@ VAE workers 1 each (they are idle most of the time: see docs/bench-diffusion.md)
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +41,6 @@ from omnistage.bench.diffusion_baselines import (  # noqa: E402
     GUIDANCE_SCALE,
     MAX_SEQUENCE_LENGTH,
     BenchRequest,
-    RequestRecord,
     RunResult,
     run_ideal,
     run_request_batching,
@@ -51,6 +48,7 @@ from omnistage.bench.diffusion_baselines import (  # noqa: E402
     service_times,
 )
 from omnistage.bench.diffusion_model import DENOISER_CONFIG, bench_model_dir, load_reference_pipeline  # noqa: E402
+from omnistage.bench.diffusion_omnistage import run_omnistage, start_omnistage  # noqa: E402
 
 PROMPTS = [
     "a photo of a cat sitting on a red chair",
@@ -136,118 +134,6 @@ def mixed_trace(cfg: BenchConfig, rate_rps: float, seed: int) -> list[BenchReque
     return out
 
 
-# -- omnistage through its runtime ----------------------------------------------------------
-
-
-def omnistage_yaml(model_dir: Path, cfg: BenchConfig) -> str:
-    return f"""
-name: bench-diffusion
-description: diffusion benchmark pipeline (SD3 architecture, fixed denoiser)
-inputs: {{prompt: text}}
-outputs: {{image: image}}
-stages:
-  text_encoder:
-    kind: text_encoder
-    model: {model_dir}
-    pool: {{devices: [cpu], threads: 1, dtype: float32}}
-    batching: {{policy: dynamic, max_batch_size: {2 * cfg.max_batch_size}, max_wait_ms: 1}}
-  denoiser:
-    kind: denoiser
-    model: {model_dir}
-    pool: {{devices: [cpu], threads: {cfg.threads}, dtype: float32}}
-    batching: {{policy: step, max_batch_size: {cfg.max_batch_size}}}
-  vae:
-    kind: vae_decoder
-    model: {model_dir}
-    pool: {{devices: [cpu], threads: 1, dtype: float32}}
-    batching: {{policy: dynamic, max_batch_size: {cfg.max_batch_size}, max_wait_ms: 1}}
-edges:
-  - {{from: inputs.prompt, to: text_encoder.prompt}}
-  - {{from: text_encoder.prompt_embeds, to: denoiser.prompt_embeds}}
-  - {{from: text_encoder.pooled_prompt_embeds, to: denoiser.pooled_prompt_embeds}}
-  - {{from: denoiser.latents, to: vae.latents}}
-  - {{from: vae.image, to: outputs.image}}
-"""
-
-
-def start_omnistage(model_dir: Path, cfg: BenchConfig):
-    from omnistage import Pipeline
-
-    path = Path(tempfile.mkdtemp(prefix="omnistage-bench-")) / "bench-diffusion.yaml"
-    path.write_text(omnistage_yaml(model_dir, cfg))
-    return Pipeline.from_yaml(str(path), ready_timeout=900)
-
-
-def _generation(r: BenchRequest) -> dict:
-    return {
-        "width": r.size,
-        "height": r.size,
-        "num_inference_steps": r.steps,
-        "seed": r.seed,
-        "guidance_scale": GUIDANCE_SCALE,
-        "negative_prompt": "",
-        "max_sequence_length": MAX_SEQUENCE_LENGTH,
-        "output_type": "float",
-    }
-
-
-def run_omnistage(pipe, requests: list[BenchRequest]) -> RunResult:
-    """Replay requests (arrival offsets) through Pipeline.stream; first step from progress events."""
-    from omnistage.stages.diffusion import stage_params
-
-    before = _denoiser_step_ms(pipe)
-    wait_before = _denoiser_wait_totals(pipe)
-    first_progress: dict[int, float] = {}
-
-    async def one(r: BenchRequest, t0: float, rec: RequestRecord) -> None:
-        delay = t0 + r.arrival_s - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        async for chunk in pipe.stream({"prompt": r.prompt}, stage_params(pipe, _generation(r))):
-            if chunk.progress is not None and r.index not in first_progress:
-                first_progress[r.index] = time.perf_counter()
-            if chunk.port == "image" and chunk.data is not None:
-                rec.image = chunk.data[0].permute(2, 0, 1).float()
-        rec.finish = time.perf_counter()
-
-    async def main() -> tuple[dict[int, RequestRecord], float]:
-        t0 = time.perf_counter()
-        records = {r.index: RequestRecord(r.index, t0 + r.arrival_s) for r in requests}
-        await asyncio.gather(*(one(r, t0, records[r.index]) for r in requests))
-        return records, t0
-
-    records, t0 = asyncio.run(main())
-    wall = max(rec.finish for rec in records.values()) - t0
-    step_ms = _denoiser_step_ms(pipe) or before
-    # The first denoise step ends when its progress event is sent: subtract one typical step.
-    for idx, rec in records.items():
-        rec.first_step = max(rec.arrival, first_progress.get(idx, rec.finish) - step_ms / 1000.0)
-    wait_after = _denoiser_wait_totals(pipe)
-    served = wait_after[1] - wait_before[1]
-    engine_wait = (wait_after[0] - wait_before[0]) / served if served > 0 else float("nan")
-    return RunResult(
-        [records[r.index] for r in requests], wall, {"step_ms_p50": step_ms, "denoiser_queue_wait_ms_mean": engine_wait}
-    )
-
-
-def _denoiser_wait_totals(pipe) -> tuple[float, float]:
-    """(sum of ms, count) of the denoiser's own queue waits (its admission -> first step),
-    from its cumulative mean and its completed count (every completed request had a first step)."""
-    try:
-        stats = pipe.stage_stats()["denoiser"]
-        count = float(stats.get("completed", 0.0))
-        return float(stats.get("queue_wait_ms_mean", 0.0)) * count, count
-    except Exception:  # noqa: BLE001 - stats are best effort
-        return 0.0, 0.0
-
-
-def _denoiser_step_ms(pipe) -> float:
-    try:
-        return float(pipe.stage_stats()["denoiser"]["step_ms_p50"])
-    except Exception:  # noqa: BLE001 - stats are best effort
-        return 0.0
-
-
 # -- figures --------------------------------------------------------------------------------
 
 
@@ -317,116 +203,134 @@ def run_benchmark(cfg: BenchConfig, partial_path: Path | None = None) -> dict:
     try:
         warm_up(ref, pipe, cfg)
         out: dict = {"bench": "diffusion", "config": _config_summary(cfg, model_dir)}
-
-        # saturation
-        sat_requests = saturation_requests(cfg)
-        runs = {"serial": [], "request_batching": [], "ideal": [], "omnistage": []}
-        equal_diff = None
-        for rep in range(cfg.saturation_repeats):
-            log(f"saturation {rep + 1}/{cfg.saturation_repeats}: {len(sat_requests)} requests")
-            systems = {
-                "serial": lambda: run_serial(ref, sat_requests),
-                "request_batching": lambda: run_request_batching(ref, sat_requests, cfg.max_batch_size),
-                "ideal": lambda: _in_thread(run_ideal, ref, sat_requests, cfg.max_batch_size),
-                "omnistage": lambda: run_omnistage(pipe, sat_requests),
-            }
-            results = {}
-            for name in _rotated(list(systems), rep):  # the machine drifts: vary who goes first
-                results[name] = systems[name]()
-            serial, omni = results["serial"], results["omnistage"]
-            for name, res in results.items():
-                runs[name].append(len(res.records) / res.wall_s)
-            if equal_diff is None:
-                equal_diff = max_image_diff(omni, serial, 4)
-            log("  throughput rps: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()))
+        runs, equal_diff = _saturation(ref, pipe, cfg)
         out["saturation"] = {name: {"throughput_rps": spread(v)} for name, v in runs.items()}
         _dump_partial(partial_path, out)
-        sat_vs_serial = [o / s for o, s in zip(runs["omnistage"], runs["serial"])]
-        sat_vs_ideal = [o / i for o, i in zip(runs["omnistage"], runs["ideal"])]
-
-        # mixed traffic
         cap = measure_capacity(ref, cfg)
         log(f"serial capacity {cap['capacity_rps']:.3f} rps; arrivals at {cap['arrival_rate_rps']:.3f} rps")
-        traces = []
-        for k in range(cfg.mixed_traces):
-            trace = mixed_trace(cfg, cap["arrival_rate_rps"], seed=100 + k)
-            row = {
-                "seed": 100 + k,
-                "duration_s": trace[-1].arrival_s,
-                "sizes": [r.size for r in trace],
-                "latencies_ms": {},  # per request, in trace order: the CDF's data points
-            }
-            systems = {
-                "serial": lambda t: run_serial(ref, t),
-                "request_batching": lambda t: run_request_batching(ref, t, cfg.max_batch_size),
-                "omnistage": lambda t: run_omnistage(pipe, t),
-            }
-            for name in _rotated(list(systems), k):
-                fn = systems[name]
-                log(
-                    f"mixed trace {k + 1}/{cfg.mixed_traces} ({len(trace)} requests over "
-                    f"{trace[-1].arrival_s:.1f}s): {name}"
-                )
-                res = fn(trace)
-                row[name] = latency_figures(res)
-                if name == "omnistage":
-                    row[name]["step_ms_p50"] = res.extra["step_ms_p50"]
-                    row[name]["denoiser_queue_wait_ms_mean"] = res.extra["denoiser_queue_wait_ms_mean"]
-                log("  " + ", ".join(f"{key} {val:.1f}" for key, val in row[name].items()))
-                row["latencies_ms"][name] = [rec.latency_s * 1000 for rec in res.records]
-            traces.append(row)
-            _dump_partial(partial_path, {**out, "mixed_partial": {**cap, "traces": traces}})
+        traces = _mixed(
+            ref,
+            pipe,
+            cfg,
+            cap["arrival_rate_rps"],
+            lambda t: _dump_partial(partial_path, {**out, "mixed_partial": {**cap, "traces": t}}),
+        )
         out["mixed"] = {**cap, "traces": traces}
-
-        def med(system: str, key: str) -> dict:
-            return spread([t[system][key] for t in traces])
-
-        for system in ("serial", "request_batching", "omnistage"):
-            out[system] = {
-                key: med(system, key)
-                for key in ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean", "throughput_rps")
-            }
-            out[system]["saturation_throughput_rps"] = spread(runs[system])
-        out["omnistage"]["step_ms_p50"] = med("omnistage", "step_ms_p50")
-        out["omnistage"]["denoiser_queue_wait_ms_mean"] = med("omnistage", "denoiser_queue_wait_ms_mean")
-        out["ideal"] = {"saturation_throughput_rps": spread(runs["ideal"])}
-
-        def ratio(a: str, b: str, key: str) -> list[float]:
-            return [t[a][key] / t[b][key] for t in traces]
-
-        ratios = {
-            "throughput_vs_serial": spread(sat_vs_serial),
-            "throughput_vs_ideal": spread(sat_vs_ideal),
-            "p50_latency_vs_serial": spread(ratio("omnistage", "serial", "latency_ms_p50")),
-            "p50_latency_vs_request_batching": spread(ratio("omnistage", "request_batching", "latency_ms_p50")),
-            "p99_latency_vs_serial": spread(ratio("omnistage", "serial", "latency_ms_p99")),
-        }
-        wait_vs_step = [t["omnistage"]["queue_wait_ms_mean"] / max(t["omnistage"]["step_ms_p50"], 1e-9) for t in traces]
-        out["ratios"] = {k: v["median"] for k, v in ratios.items()}
-        out["ratios_spread"] = ratios
-        out["checks"] = {
-            "equal_diffusers": bool(equal_diff is not None and equal_diff < 1e-3),
-            "equal_diffusers_max_abs_diff": equal_diff,
-            "equal_diffusers_requests": 4,
-        }
-        targets = {
-            "throughput_vs_serial": (out["ratios"]["throughput_vs_serial"], ">=", 1.0),
-            "throughput_vs_ideal": (out["ratios"]["throughput_vs_ideal"], ">=", 0.9),
-            "p50_latency_vs_serial": (out["ratios"]["p50_latency_vs_serial"], "<=", 0.5),
-            "p50_latency_vs_request_batching": (out["ratios"]["p50_latency_vs_request_batching"], "<=", 0.5),
-            "p99_latency_vs_serial": (out["ratios"]["p99_latency_vs_serial"], "<=", 1.5),
-            "queue_wait_ms_mean_vs_step_ms_p50": (statistics.median(wait_vs_step), "<=", 1.0),
-        }
-        out["targets"] = {
-            k: {"value": v, "target": f"{op} {t}", "met": (v >= t if op == ">=" else v <= t)}
-            for k, (v, op, t) in targets.items()
-        }
+        out.update(_summary(runs, traces, equal_diff))
         out["elapsed_s"] = time.perf_counter() - t_start
         loads = [x for _, x in LOADAVG]
         out["machine_loadavg_1m"] = {"min": min(loads), "max": max(loads), "median": statistics.median(loads)}
         return out
     finally:
         pipe.close()
+
+
+def _saturation(ref, pipe, cfg: BenchConfig) -> tuple[dict[str, list[float]], float | None]:
+    """Throughput (rps) of every system per repeat, and omnistage's largest pixel difference
+    from serial diffusers on the first 4 requests."""
+    sat_requests = saturation_requests(cfg)
+    runs: dict[str, list[float]] = {"serial": [], "request_batching": [], "ideal": [], "omnistage": []}
+    equal_diff = None
+    for rep in range(cfg.saturation_repeats):
+        log(f"saturation {rep + 1}/{cfg.saturation_repeats}: {len(sat_requests)} requests")
+        systems = {
+            "serial": lambda: run_serial(ref, sat_requests),
+            "request_batching": lambda: run_request_batching(ref, sat_requests, cfg.max_batch_size),
+            "ideal": lambda: _in_thread(run_ideal, ref, sat_requests, cfg.max_batch_size),
+            "omnistage": lambda: run_omnistage(pipe, sat_requests),
+        }
+        results = {}
+        for name in _rotated(list(systems), rep):  # the machine drifts: vary who goes first
+            results[name] = systems[name]()
+        for name, res in results.items():
+            runs[name].append(len(res.records) / res.wall_s)
+        if equal_diff is None:
+            equal_diff = max_image_diff(results["omnistage"], results["serial"], 4)
+        log("  throughput rps: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()))
+    return runs, equal_diff
+
+
+def _mixed(ref, pipe, cfg: BenchConfig, rate_rps: float, dump) -> list[dict]:
+    """Each trace replayed to every system (the order rotating per trace); `dump(traces)` after
+    each trace."""
+    traces = []
+    for k in range(cfg.mixed_traces):
+        trace = mixed_trace(cfg, rate_rps, seed=100 + k)
+        row = {
+            "seed": 100 + k,
+            "duration_s": trace[-1].arrival_s,
+            "sizes": [r.size for r in trace],
+            "latencies_ms": {},  # per request, in trace order: the CDF's data points
+        }
+        systems = {
+            "serial": lambda t: run_serial(ref, t),
+            "request_batching": lambda t: run_request_batching(ref, t, cfg.max_batch_size),
+            "omnistage": lambda t: run_omnistage(pipe, t),
+        }
+        for name in _rotated(list(systems), k):
+            log(
+                f"mixed trace {k + 1}/{cfg.mixed_traces} ({len(trace)} requests over {trace[-1].arrival_s:.1f}s): {name}"
+            )
+            res = systems[name](trace)
+            row[name] = latency_figures(res)
+            if name == "omnistage":
+                row[name]["step_ms_p50"] = res.extra["step_ms_p50"]
+                row[name]["denoiser_queue_wait_ms_mean"] = res.extra["denoiser_queue_wait_ms_mean"]
+            log("  " + ", ".join(f"{key} {val:.1f}" for key, val in row[name].items()))
+            row["latencies_ms"][name] = [rec.latency_s * 1000 for rec in res.records]
+        traces.append(row)
+        dump(traces)
+    return traces
+
+
+def _summary(runs: dict[str, list[float]], traces: list[dict], equal_diff: float | None) -> dict:
+    """Per-system figures (median, min, max over traces), ratios, checks and targets."""
+    out: dict = {}
+
+    def med(system: str, key: str) -> dict:
+        return spread([t[system][key] for t in traces])
+
+    for system in ("serial", "request_batching", "omnistage"):
+        out[system] = {
+            key: med(system, key)
+            for key in ("latency_ms_p50", "latency_ms_p99", "queue_wait_ms_mean", "throughput_rps")
+        }
+        out[system]["saturation_throughput_rps"] = spread(runs[system])
+    out["omnistage"]["step_ms_p50"] = med("omnistage", "step_ms_p50")
+    out["omnistage"]["denoiser_queue_wait_ms_mean"] = med("omnistage", "denoiser_queue_wait_ms_mean")
+    out["ideal"] = {"saturation_throughput_rps": spread(runs["ideal"])}
+
+    def ratio(a: str, b: str, key: str) -> list[float]:
+        return [t[a][key] / t[b][key] for t in traces]
+
+    ratios = {
+        "throughput_vs_serial": spread([o / s for o, s in zip(runs["omnistage"], runs["serial"])]),
+        "throughput_vs_ideal": spread([o / i for o, i in zip(runs["omnistage"], runs["ideal"])]),
+        "p50_latency_vs_serial": spread(ratio("omnistage", "serial", "latency_ms_p50")),
+        "p50_latency_vs_request_batching": spread(ratio("omnistage", "request_batching", "latency_ms_p50")),
+        "p99_latency_vs_serial": spread(ratio("omnistage", "serial", "latency_ms_p99")),
+    }
+    wait_vs_step = [t["omnistage"]["queue_wait_ms_mean"] / max(t["omnistage"]["step_ms_p50"], 1e-9) for t in traces]
+    out["ratios"] = {k: v["median"] for k, v in ratios.items()}
+    out["ratios_spread"] = ratios
+    out["checks"] = {
+        "equal_diffusers": bool(equal_diff is not None and equal_diff < 1e-3),
+        "equal_diffusers_max_abs_diff": equal_diff,
+        "equal_diffusers_requests": 4,
+    }
+    targets = {
+        "throughput_vs_serial": (out["ratios"]["throughput_vs_serial"], ">=", 1.0),
+        "throughput_vs_ideal": (out["ratios"]["throughput_vs_ideal"], ">=", 0.9),
+        "p50_latency_vs_serial": (out["ratios"]["p50_latency_vs_serial"], "<=", 0.5),
+        "p50_latency_vs_request_batching": (out["ratios"]["p50_latency_vs_request_batching"], "<=", 0.5),
+        "p99_latency_vs_serial": (out["ratios"]["p99_latency_vs_serial"], "<=", 1.5),
+        "queue_wait_ms_mean_vs_step_ms_p50": (statistics.median(wait_vs_step), "<=", 1.0),
+    }
+    out["targets"] = {
+        k: {"value": v, "target": f"{op} {t}", "met": (v >= t if op == ">=" else v <= t)}
+        for k, (v, op, t) in targets.items()
+    }
+    return out
 
 
 def _dump_partial(path: Path | None, data: dict) -> None:

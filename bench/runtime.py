@@ -138,12 +138,12 @@ def _pipe_echo(conn) -> None:
 
 
 def pipe_hop_us(samples: int) -> list[float]:
-    from omnistage.runtime.orchestrator import _without_main_reimport, mp_context
+    from omnistage.runtime.replicas import mp_context, without_main_reimport
 
     ctx = mp_context()
     a, b = ctx.Pipe()
     proc = ctx.Process(target=_pipe_echo, args=(b,), daemon=True)
-    with _without_main_reimport():
+    with without_main_reimport():
         proc.start()
     b.close()
     out = []
@@ -166,6 +166,48 @@ def _pct(values: list[float], q: float) -> float:
 
 def _summary(runs: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(runs), "min": min(runs), "max": max(runs), "runs": runs}
+
+
+def _hop_samples(hop, count: int) -> list[float]:
+    """One-way hop latencies (us), one request at a time so the receiver is idle."""
+    for _ in range(10):
+        hop.run({"x": 0})
+    samples = []
+    for _ in range(count):
+        samples.append(hop.run({"x": 0})["hop_ns"] / 1000.0)
+        time.sleep(0.001)  # receiver idle when the next message comes
+    return samples
+
+
+def _transfer_rates(big, mib: int, count: int, expected_sum: float) -> tuple[float, float]:
+    """Median GB/s of the producer -> consumer transfer, then of the in-producer copy + sum
+    reference measured right after it (same process, same conditions)."""
+    big.run({"x": 0})  # warm-up: segments allocated and mapped
+    rates = []
+    for _ in range(count):
+        r = big.run({"x": 0})["result"]
+        if abs(r["sum"] - expected_sum) > 1e-3 * max(1.0, abs(expected_sum)):
+            raise RuntimeError(f"transfer corrupted: sum {r['sum']} != {expected_sum}")
+        rates.append(mib * 1024 * 1024 / (r["dt_ns"] / 1e9) / 1e9)
+    ref_rates = []
+    for _ in range(count):
+        r = big.run({"x": 0}, {"producer": {"reference": True}})["result"]
+        ref_rates.append(mib * 1024 * 1024 / (r["dt_ns"] / 1e9) / 1e9)
+    return statistics.median(rates), statistics.median(ref_rates)
+
+
+def _graph4_p50_ms(graph, count: int) -> float:
+    """p50 of end-to-end Pipeline.run through the diamond of four no-op stages (ms)."""
+    for _ in range(10):
+        graph.run({"x": 0})
+    times = []
+    for i in range(count):
+        t0 = time.perf_counter()
+        out = graph.run({"x": i})
+        times.append((time.perf_counter() - t0) * 1000.0)
+        if out["y"] != i:
+            raise RuntimeError(f"graph4 returned {out['y']!r} for input {i}")
+    return _pct(times, 0.5)
 
 
 def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict[str, Any]:
@@ -193,13 +235,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
         hop_samples, pipe_samples = [], []  # every run's samples, for the histogram
         expected_sum = float(BigProducer(mib).buf.sum())
         for _ in range(runs):
-            hop = pipes["hop"]
-            for _ in range(10):
-                hop.run({"x": 0})
-            samples = []
-            for _ in range(hops_per_run):
-                samples.append(hop.run({"x": 0})["hop_ns"] / 1000.0)
-                time.sleep(0.001)  # receiver idle when the next message comes
+            samples = _hop_samples(pipes["hop"], hops_per_run)
             hop_p50.append(_pct(samples, 0.5))
             hop_p99.append(_pct(samples, 0.99))
             hop_samples += samples
@@ -208,31 +244,11 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
             pipe_p50.append(_pct(pipe, 0.5))
             pipe_samples += pipe
             bar.update()
-            big = pipes["big"]
-            big.run({"x": 0})  # warm-up: segments allocated and mapped
-            rates = []
-            for _ in range(transfers_per_run):
-                r = big.run({"x": 0})["result"]
-                if abs(r["sum"] - expected_sum) > 1e-3 * max(1.0, abs(expected_sum)):
-                    raise RuntimeError(f"transfer corrupted: sum {r['sum']} != {expected_sum}")
-                rates.append(mib * 1024 * 1024 / (r["dt_ns"] / 1e9) / 1e9)
-            gbps.append(statistics.median(rates))
-            ref_rates = []  # same process, same conditions, right after
-            for _ in range(transfers_per_run):
-                r = big.run({"x": 0}, {"producer": {"reference": True}})["result"]
-                ref_rates.append(mib * 1024 * 1024 / (r["dt_ns"] / 1e9) / 1e9)
-            ref_copy.append(statistics.median(ref_rates))
+            rate, reference_rate = _transfer_rates(pipes["big"], mib, transfers_per_run, expected_sum)
+            gbps.append(rate)
+            ref_copy.append(reference_rate)
             bar.update()
-            g = pipes["graph4"]
-            for _ in range(10):
-                g.run({"x": 0})
-            times = []
-            for i in range(graph_per_run):
-                t0 = time.perf_counter()
-                out = g.run({"x": i})
-                times.append((time.perf_counter() - t0) * 1000.0)
-                assert out["y"] == i
-            g4.append(_pct(times, 0.5))
+            g4.append(_graph4_p50_ms(pipes["graph4"], graph_per_run))
             bar.update()
         bar.close()
     finally:
