@@ -1,8 +1,9 @@
 """Embedded runtime: runs a PipelineSpec across worker processes on one machine.
 
 pipeline.py      the Pipeline API (run / stream / generate / abort / stage_stats / close)
-orchestrator.py  hub thread in the parent: admission, deadlines, worker death, stats, close
+orchestrator.py  hub thread in the parent: admission, deadlines, stats, close
 routing.py       the requests in flight and how their data moves between stages (Router)
+recovery.py      what follows a worker's death: fail what it held, release, restart
 replicas.py      replica state (ReplicaState) and the worker processes' start and stop
 ledger.py        edge permits, shared-memory slots handed to stages, dead workers' segments
 worker.py        one process per stage replica: the engine loop

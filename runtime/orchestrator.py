@@ -31,33 +31,22 @@ from omnistage.errors import (
     PipelineClosedError,
     RequestCancelledError,
     StageError,
-    WorkerDiedError,
 )
 from omnistage.graph.inputs import check_inputs
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
-from omnistage.runtime.ledger import DeadSegments, EdgePermits, SlotBook
+from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import (
-    Deliver,
     Emit,
     EmitBatch,
-    ForgetSegments,
     PermitsTaken,
     Ready,
-    ReleaseSlots,
     StartFailed,
     StatsQuery,
     StatsReply,
     recv_msg,
 )
-from omnistage.runtime.replicas import (  # noqa: F401 - mp_context, without_main_reimport: bench/runtime.py
-    AfterDeath,
-    Replica,
-    ReplicaState,
-    WorkerProcesses,
-    exit_description,
-    mp_context,
-    without_main_reimport,
-)
+from omnistage.runtime.recovery import Recovery
+from omnistage.runtime.replicas import Replica, ReplicaState, WorkerProcesses, mp_context, without_main_reimport  # noqa: F401 - bench/runtime.py
 from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
 from omnistage.runtime.shm import (
     SegmentPool,
@@ -65,8 +54,6 @@ from omnistage.runtime.shm import (
     cleanup_prefix,
     encode,
     release_all,
-    segment_prefix,
-    worker_pool_prefix,
 )
 
 log = logging.getLogger("omnistage.runtime")
@@ -88,11 +75,21 @@ class Orchestrator:
         self._all_replicas = [r for reps in self.replicas.values() for r in reps]
         self._workers = WorkerProcesses(spec, self.shm_prefix)
         self._permits = EdgePermits(spec)
-        self._slots = SlotBook()
-        self._dead_segments = DeadSegments()
+        slots = SlotBook()
         self._pool = SegmentPool(f"{self.shm_prefix}-parent")
         self._reader = SegmentReader()
-        self._router = Router(spec, self.replicas, self._permits, self._slots, self._reader, self._cond)
+        self._router = Router(spec, self.replicas, self._permits, slots, self._reader, self._cond)
+        self._recovery = Recovery(
+            self.shm_prefix,
+            self._router,
+            self._permits,
+            slots,
+            self._pool,
+            self._reader,
+            self._cond,
+            self._spawn,
+            self._on_message,
+        )
         self._requests = self._router.requests  # the requests in flight, by id
         self.counts = self._router.counts  # requests by outcome
         self._hub: threading.Thread | None = None
@@ -267,93 +264,6 @@ class Orchestrator:
     def num_requests(self) -> int:
         return len(self._requests)
 
-    # -- worker death (lock held) ---------------------------------------------------------------
-    def _on_death(self, r: Replica) -> None:
-        self._read_last_messages(r)  # what it sent before dying still counts
-        how = exit_description(r.proc)
-        was_ready = r.mark_down()
-        r.last_stats = {}  # the dead process's figures no longer describe anything
-        r.close_conn()
-        self._fail_held_requests(r, how)
-        if len(self.replicas[r.stage]) == 1:
-            self._reconcile_permits(r.stage)
-        # its own segments may still be on their way to readers: unlink once every request
-        # in flight now has ended
-        pool = worker_pool_prefix(self.shm_prefix, r.stage, r.index, r.generation)
-        self._dead_segments.add(segment_prefix(pool, r.proc.pid), self._requests)
-        if self._stopping or self.closing:
-            return
-        after = r.after_death(how, was_ready)
-        if after is AfterDeath.START_FAILED:
-            self._cond.notify_all()
-        elif after is AfterDeath.GIVE_UP:
-            self._fail_pending(r)
-        else:
-            self._restart(r)
-
-    def _fail_held_requests(self, r: Replica, how: str) -> None:
-        """Fail exactly the requests routed to the dead replica and not finished there."""
-        held = [self._requests[rid] for rid in list(r.requests) if rid in self._requests]
-        r.requests.clear()
-        self._release_slots_of_dead_reader(r, held)
-        for req in held:
-            error = f"worker process of replica {r.index} (pid {r.pid}) died ({how}) while holding this request"
-            self._router.finish(req, WorkerDiedError(r.stage, error), "worker_died")
-
-    def _reconcile_permits(self, stage: str) -> None:
-        """The stage's only replica died: nobody but the hub touches its permits now."""
-        held: dict[int, int] = {}
-        for req in self._requests.values():
-            for idx in req.hub_permits:
-                held[idx] = held.get(idx, 0) + 1
-        self._permits.reconcile(stage, held)
-
-    def _read_last_messages(self, r: Replica) -> None:
-        try:
-            while r.conn is not None and r.conn.poll():
-                self._on_message(r, recv_msg(r.conn))
-        except (EOFError, OSError):
-            pass
-        except Exception:  # noqa: BLE001
-            log.exception("omnistage: reading the last messages of %s failed", r.name)
-
-    def _release_slots_of_dead_reader(self, r: Replica, held: list[RequestRecord]) -> None:
-        """The dead replica's tensors will never be freed, so the producers of the slots it held
-        would never reuse those segments: release them on its behalf."""
-        by_producer = self._slots.release_for_dead_reader(r.stage, [req.rid for req in held], self._pool)
-        for producer, slots in by_producer.items():
-            self._router.send(producer, ReleaseSlots(slots))
-
-    def _fail_pending(self, r: Replica) -> None:
-        """Restarts gave up: fail the requests whose deliveries wait for this replica."""
-        for msg in r.pending:
-            if isinstance(msg, Deliver) and msg.request_id in self._requests:
-                self._router.finish(
-                    self._requests[msg.request_id],
-                    WorkerDiedError(r.stage, f"replica {r.index} cannot be restarted: {r.error}"),
-                    "worker_died",
-                )
-        r.pending.clear()
-
-    def _restart(self, r: Replica) -> None:
-        r.pending.clear()
-        r.generation += 1
-        r.restarts += 1
-        r.state = ReplicaState.RESTARTING
-        try:
-            self._spawn(r)
-        except Exception as exc:  # noqa: BLE001 - e.g. the fork server is gone
-            log.exception("omnistage: restarting %s failed", r.name)
-            r.give_up(f"restart failed: {type(exc).__name__}: {exc}")
-        self._cond.notify_all()
-
-    def _reap_dead_segments(self) -> None:
-        for prefix in self._dead_segments.reap(self._requests.keys()):
-            self._reader.forget(prefix + "-")
-            for x in self._all_replicas:
-                if x.ready:
-                    self._router.send(x, ForgetSegments(prefix + "-"))
-
     # -- hub thread -----------------------------------------------------------------------------
     def _hub_loop(self) -> None:
         while True:
@@ -387,7 +297,7 @@ class Orchestrator:
                 for r in dict.fromkeys(dead):
                     self._handle_exit(r)
                 self._expire_deadlines()
-                self._reap_dead_segments()
+                self._recovery.reap_dead_segments()
 
     def _read_messages(self, r: Replica) -> bool:
         """Handle what a worker's pipe holds; False once the pipe is closed."""
@@ -412,7 +322,7 @@ class Orchestrator:
             r.close_conn()  # orderly exit after Shutdown
             return
         try:
-            self._on_death(r)
+            self._recovery.on_death(r, stopping=self._stopping or self.closing)
         except Exception:  # noqa: BLE001 - the hub must keep routing
             log.exception("omnistage: handling the death of %s failed", r.name)
 

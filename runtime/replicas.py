@@ -39,14 +39,17 @@ STARTING_STOP_GRACE_S = 1.0
 STOP_JOIN_S = 5.0
 BASE_PRELOAD = ["torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
 # Imported once by the fork server so every worker starts with them loaded (copy-on-write)
-# instead of paying seconds each; override with OMNISTAGE_PRELOAD="mod1,mod2" ("" for none).
-DEFAULT_EXTRA_PRELOAD = ["transformers", "diffusers"]
+# instead of paying seconds and its own copy each: the stage kinds in use and their libraries
+# (stages/preload.py); override with OMNISTAGE_PRELOAD="mod1,mod2" ("" for none). The last
+# module freezes the fork server's heap so workers keep sharing it.
 
 
 def preload_modules() -> list[str]:
+    from omnistage.stages.preload import FREEZE_MODULE, stage_preload_modules
+
     extra = os.environ.get("OMNISTAGE_PRELOAD")
-    mods = DEFAULT_EXTRA_PRELOAD if extra is None else [m.strip() for m in extra.split(",") if m.strip()]
-    return BASE_PRELOAD + [m for m in mods if m not in BASE_PRELOAD]
+    mods = stage_preload_modules() if extra is None else [m.strip() for m in extra.split(",") if m.strip()]
+    return BASE_PRELOAD + [m for m in mods if m not in BASE_PRELOAD] + [FREEZE_MODULE]
 
 
 def mp_context():
@@ -162,6 +165,13 @@ class Replica:
             self.state = ReplicaState.DEAD
             return AfterDeath.GIVE_UP
         return AfterDeath.RESTART
+
+    def begin_restart(self) -> None:
+        """A new process (the next generation) is about to replace the dead one."""
+        self.pending.clear()
+        self.generation += 1
+        self.restarts += 1
+        self.state = ReplicaState.RESTARTING
 
     def give_up(self, error: str) -> None:
         self.state = ReplicaState.DEAD
