@@ -107,6 +107,7 @@ def build_engine(cfg: WorkerConfig) -> StageEngine:
         batching=st.batching,
         params=dict(st.params or {}),
         replica_index=cfg.replica,
+        memory_bytes=st.pool.memory_bytes,
     )
     return get_stage_class(st.kind)(ctx)
 

@@ -55,6 +55,7 @@ class StageContext:
     batching: BatchingSpec  # its defaults are the spec's; engines read the fields directly
     params: dict[str, Any]
     replica_index: int = 0
+    memory_bytes: int | None = None  # the pool's memory budget per replica (pool.memory), if set
 
 
 @dataclass

@@ -157,6 +157,8 @@ class ARLMStage(StageEngine):
         model_dir = str(ctx.model_path)  # already resolved, subfolder included
         self.hidden_state_layers = tuple(params["hidden_state_layers"])
         kv_bytes = params["kv_cache_bytes"]
+        if kv_bytes is None and params["num_kv_blocks"] is None:
+            kv_bytes = ctx.memory_bytes  # the pool's budget sizes the KV pool
         config = EngineConfig(
             model_path=model_dir,
             dtype=ctx.dtype,

@@ -187,3 +187,26 @@ def test_abort_mid_stream_frees_kv_blocks(pipeline):
     time.sleep(0.5)
     generated = pipeline.stage_stats()["llm"]["generated_tokens"] - before
     assert 3 <= generated < 1000  # the abort stopped it long before its 2000 tokens
+
+
+def test_pool_memory_sizes_the_kv_pool(tmp_path):
+    """`pool.memory` reaches the stage (StageContext.memory_bytes) and sizes its KV pool when no
+    num_kv_blocks / kv_cache_bytes is set; before, it was read from fields the context never had."""
+    from omnistage import Pipeline
+    from omnistage.graph.loader import resolve_pipeline_path
+    from omnistage.models.recipes import build_recipe
+    from omnistage.stages.ar.config import load_model_config
+    from omnistage.stages.ar.kv_cache import KVCache
+
+    text = resolve_pipeline_path("tiny-llm").read_text()
+    assert "num_kv_blocks:" in text
+    path = tmp_path / "llm.yaml"
+    path.write_text("\n".join(line for line in text.splitlines() if "num_kv_blocks:" not in line))
+    p = Pipeline.from_yaml(str(path), ["stages.llm.pool.memory=4MiB"], ready_timeout=120)
+    try:
+        total = p.stage_stats()["llm"]["kv_blocks_total"]
+    finally:
+        p.close()
+    mc = load_model_config(str(build_recipe("tiny-llm")))
+    per_block = KVCache.bytes_per_block(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, torch.float32)
+    assert total == (4 << 20) // per_block
