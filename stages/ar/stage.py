@@ -48,7 +48,7 @@ STAGE_PARAMS = ParamSet(
             "kv_cache_bytes",
             "size",
             None,
-            "KV pool size in bytes; default: max_num_seqs full-length sequences, capped at 1 GiB.",
+            "KV pool size in bytes; default: pool.memory, else max_num_seqs full-length sequences (at most 1 GiB).",
             nullable=True,
             check=_size_problem,
         ),
