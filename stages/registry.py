@@ -24,6 +24,7 @@ KIND_MODULES: dict[str, str] = {
     # Qwen2.5-Omni (stages/omni)
     "audio_encoder": "omnistage.stages.omni.audio_encoder",
     "thinker": "omnistage.stages.omni.thinker",
+    "talker": "omnistage.stages.omni.talker",
     "token2wav": "omnistage.stages.omni.token2wav",
 }
 

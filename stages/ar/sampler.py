@@ -80,11 +80,16 @@ class Sampler:
 
     def penalized(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits with min_tokens stop suppression and the penalties applied (a copy when any applies)."""
-        if not any(s.num_output_tokens < s.sampling.min_tokens or self._has_penalty(s.sampling) for s in seqs):
+        if not any(
+            s.num_output_tokens < s.sampling.min_tokens or self._has_penalty(s.sampling) or s.suppress_token_ids
+            for s in seqs
+        ):
             return logits
         logits = logits.clone()
         V = logits.shape[1]
         for r, s in enumerate(seqs):
+            if s.suppress_token_ids:
+                logits[r, list(s.suppress_token_ids)] = float("-inf")
             if s.num_output_tokens < s.sampling.min_tokens:
                 ids = [t for t in self.stop_ids(s) if t < V]
                 if ids:
@@ -105,7 +110,7 @@ class Sampler:
         for r, s in enumerate(seqs):
             sp = s.sampling
             if sp.repetition_penalty != 1.0:
-                seen = s.token_ids if s.prompt_ids_known else s.output_token_ids
+                seen = s.token_ids if s.prompt_ids_known else (s.prompt_penalty_ids or []) + s.output_token_ids
                 if seen:
                     ids = torch.tensor(sorted(set(seen)), dtype=torch.long)
                     vals = logits[r, ids]

@@ -61,6 +61,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_runnable(self) -> bool:
+        """Some sequence can advance now (not all of them wait for streamed input rows)."""
+        return any(not s.awaiting_decode_embeds for s in self.waiting) or any(
+            s.num_tokens > s.num_computed_tokens and not s.awaiting_decode_embeds for s in self.running
+        )
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free(seq)
@@ -78,7 +84,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or seq.awaiting_decode_embeds:
                 i += 1
                 continue
             preempted_self = False
@@ -100,8 +106,12 @@ class Scheduler:
             i += 1
 
         # Admit waiting sequences, unless this step already had to preempt.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        j = 0  # waiting sequences that wait for input rows are passed over, not blocking the queue
+        while j < len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[j]
+            if seq.awaiting_decode_embeds:
+                j += 1
+                continue
             if seq.fork_parent is not None:
                 break  # unreachable: children are never queued before their fork
             cached: list[int] = []
@@ -111,7 +121,7 @@ class Scheduler:
             n = min(seq.num_tokens - num_cached, budget)
             if not self.bm.allocate(seq, num_cached + n, cached):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             if seq.num_cached_tokens < 0:  # first admission counts toward prefix-cache metrics
                 seq.num_cached_tokens = num_cached
                 self.bm.record_query(seq.num_prompt_tokens, num_cached)

@@ -64,6 +64,14 @@ class Sequence:
     # embedding is the token's, a key derived from the content elsewhere (multimodal rows), so
     # equal keys mean equal embeddings. None: an embeddings prompt is never cached.
     prompt_cache_keys: list[int] | None = None
+    # More decode_embeds rows will come (a streaming input): generated token t is fed back only
+    # once its row t exists; the sequence waits meanwhile without holding up the others.
+    decode_embeds_open: bool = False
+    # Token ids the sampler never picks (transformers' suppress_tokens).
+    suppress_token_ids: tuple[int, ...] = ()
+    # An embeddings prompt's token ids as the repetition penalty should see them (the Qwen2.5-Omni
+    # talker's codec prompt); None: only the generated tokens count.
+    prompt_penalty_ids: list[int] | None = None
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -102,6 +110,14 @@ class Sequence:
     def prompt_hashable(self) -> bool:
         """The prompt can be keyed in the prefix cache (token ids, or content keys for embeddings)."""
         return self.prompt_embeds is None or self.prompt_cache_keys is not None
+
+    @property
+    def awaiting_decode_embeds(self) -> bool:
+        """Its next fed-back token (generated token t = outputs - 1) has no decode_embeds row yet."""
+        if not self.decode_embeds_open or self.num_output_tokens == 0:
+            return False
+        rows = 0 if self.decode_embeds is None else self.decode_embeds.shape[0]
+        return self.num_output_tokens - 1 >= rows
 
     def cache_key_ids(self, start: int, end: int) -> list[int]:
         """What the prefix cache hashes for positions [start, end): token ids, with the prompt's
