@@ -1,0 +1,45 @@
+"""What the worker fork server imports: the stage kinds this process uses, and their libraries.
+
+Every stage worker is forked from one fork server (runtime/replicas.py). What the fork server
+imported, each worker shares copy-on-write; what a worker imports after the fork is its own
+copy. So the fork server imports the modules of the stage kinds in use — the kinds whose
+module this process has imported, which loading a pipeline file does for every kind it
+names — plus the library modules those kinds' workers import while building their engines
+(diffusers' model classes are loaded lazily, on first attribute access, so `import
+diffusers` alone shares almost nothing). A kind no pipeline uses costs nothing: an LLM-only
+or torch_module-only server never imports diffusers.
+
+`omnistage.runtime.preload_done`, imported last, freezes the fork server's heap so that
+workers' garbage collections do not copy those shared pages (see that module).
+"""
+
+from __future__ import annotations
+
+import sys
+
+# kind -> library modules its workers import while building an engine, beyond the kind's own
+_DIFFUSERS_MODELS = (
+    "transformers.modeling_utils",
+    "diffusers.models.modeling_utils",
+    "diffusers.models.transformers",
+    "diffusers.models.autoencoders",
+    "diffusers.schedulers",
+)
+KIND_LIBRARIES: dict[str, tuple[str, ...]] = {
+    "ar_lm": ("transformers",),
+    "text_encoder": _DIFFUSERS_MODELS,
+    "denoiser": _DIFFUSERS_MODELS,
+    "vae_decoder": _DIFFUSERS_MODELS,
+}
+FREEZE_MODULE = "omnistage.runtime.preload_done"
+
+
+def stage_preload_modules() -> list[str]:
+    """The modules of every stage kind imported in this process, then their libraries."""
+    from omnistage.stages.registry import KIND_MODULES
+
+    kinds = [kind for kind, module in KIND_MODULES.items() if module in sys.modules]
+    mods = [KIND_MODULES[kind] for kind in kinds]
+    for kind in kinds:
+        mods.extend(KIND_LIBRARIES.get(kind, ()))
+    return list(dict.fromkeys(mods))
