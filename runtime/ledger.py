@@ -32,6 +32,11 @@ class EdgePermits:
             if e.max_inflight and e.src.stage in self.spec.stages:
                 self.sems[i] = ctx.Semaphore(int(e.max_inflight))
 
+    def close(self) -> None:
+        """Drop the semaphores once no worker uses them: multiprocessing unlinks each one's
+        /dev/shm/sem.mp-* file when its last reference goes, not when the pipeline closes."""
+        self.sems.clear()
+
     def of_producer(self, stage: str) -> dict[int, Any]:
         """The semaphores a stage's workers take from (its out-edges with max_inflight)."""
         return {i: self.sems[i] for i in self.spec.out_edge_ids(stage) if i in self.sems}

@@ -182,6 +182,7 @@ class Orchestrator:
                 if r.state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.RESTARTING):
                     r.state = ReplicaState.STOPPED
             self._cond.notify_all()
+        self._permits.close()
         self._reader.close()
         self._pool.close()
         cleanup_prefix(self.shm_prefix)

@@ -3,6 +3,7 @@ helpers they import (`from omnistage.tests.runtime.conftest import ...`)."""
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
@@ -15,6 +16,29 @@ def pid_exists(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def semaphore_inodes(pid: int) -> set[int]:
+    """Inodes of the POSIX named semaphores (/dev/shm/sem.*) a process has mapped."""
+    inodes = set()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/sem."):
+                inodes.add(int(fields[4]))
+    return inodes
+
+
+def semaphore_files(inodes: set[int]) -> list[str]:
+    """The /dev/shm/sem.mp-* files (multiprocessing's semaphores) that are one of `inodes`."""
+    found = []
+    for path in glob.glob("/dev/shm/sem.mp-*"):
+        try:
+            if os.stat(path).st_ino in inodes:
+                found.append(path)
+        except FileNotFoundError:
+            pass
+    return found
 
 
 def slow_build_yaml(build_s: float, replicas: int = 1) -> str:

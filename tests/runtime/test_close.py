@@ -1,4 +1,4 @@
-"""Closing a pipeline leaves no worker process and no /dev/shm segment.
+"""Closing a pipeline leaves no worker process, no /dev/shm segment and no semaphore file.
 
 The pipelines here are the test's own (the shared session ones stay open for other tests),
 so this runs in any order; a finalizer closes them even when an assertion fails first.
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from omnistage.tests.runtime.conftest import SMALL_YAML, pid_exists
+from omnistage.tests.runtime.conftest import SMALL_YAML, pid_exists, semaphore_files, semaphore_inodes
 
 
 @pytest.fixture
@@ -34,6 +34,10 @@ def test_close_leaves_no_process_or_shared_memory(own_pipelines):
     assert torch.equal(sleepy.run({"x": torch.ones(100_000)})["y"], torch.ones(100_000))
     diamond.run({"x": torch.randn(1100, 8)})  # > 32 KiB: input travels via /dev/shm
     pids = [pid for p in own_pipelines for reps in p.worker_pids().values() for pid in reps]
+    # the max_inflight edge out of sleepy's `pre`: a semaphore file the parent made, which its
+    # producer's worker maps
+    permit_inodes = semaphore_inodes(sleepy.worker_pids()["pre"][0])
+    assert permit_inodes and semaphore_files(permit_inodes)
     prefixes = [p.shm_prefix for p in own_pipelines]
     assert any(f.startswith(prefixes[0]) for f in os.listdir("/dev/shm"))
     for p in own_pipelines:
@@ -42,3 +46,4 @@ def test_close_leaves_no_process_or_shared_memory(own_pipelines):
     assert not [pid for pid in pids if pid_exists(pid)]
     assert not [c for c in multiprocessing.active_children() if c.pid in pids]
     assert not [f for f in os.listdir("/dev/shm") if any(f.startswith(pre) for pre in prefixes)]
+    assert semaphore_files(permit_inodes) == []

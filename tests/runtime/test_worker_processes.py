@@ -1,12 +1,13 @@
 """What a worker process looks like from outside: its name in `ps`, and what it leaves in
 /dev/shm when it is killed and restarted."""
 
-import glob
 import os
 import signal
 import time
 
 import pytest
+
+from omnistage.tests.runtime.conftest import semaphore_files, semaphore_inodes
 
 
 def test_ps_shows_each_worker_as_pipeline_stage_and_replica(diamond):
@@ -19,29 +20,6 @@ def test_ps_shows_each_worker_as_pipeline_stage_and_replica(diamond):
             assert open(f"/proc/{pid}/comm").read().strip() == "omnistage: tiny"  # the kernel keeps 15 chars
             # the title does not overwrite the environment (tools and tests read it)
             assert any(v.startswith(b"PATH=") for v in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"))
-
-
-def _semaphore_inodes(pid: int) -> set[int]:
-    """Inodes of the POSIX named semaphores (/dev/shm/sem.*) a process has mapped."""
-    inodes = set()
-    with open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            fields = line.split(None, 5)
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/sem."):
-                inodes.add(int(fields[4]))
-    return inodes
-
-
-def _semaphore_files(inodes: set[int]) -> list[str]:
-    """The /dev/shm/sem.mp-* files (multiprocessing's semaphores) that are one of `inodes`."""
-    found = []
-    for path in glob.glob("/dev/shm/sem.mp-*"):
-        try:
-            if os.stat(path).st_ino in inodes:
-                found.append(path)
-        except FileNotFoundError:
-            pass
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +38,7 @@ def test_killed_workers_leave_no_semaphore_behind(llm):
     seen: set[int] = set()
     for _ in range(3):
         pid = llm.worker_pids()["llm"][0]
-        inodes = _semaphore_inodes(pid)
+        inodes = semaphore_inodes(pid)
         assert inodes, "the ar_lm worker holds no semaphore: this test would prove nothing"
         seen |= inodes
         os.kill(pid, signal.SIGKILL)
@@ -69,6 +47,6 @@ def test_killed_workers_leave_no_semaphore_behind(llm):
             time.sleep(0.02)  # until the hub has seen the death and started a new process
         assert llm.worker_pids()["llm"][0] != pid
         llm.wait_ready(120)
-    assert _semaphore_files(seen) == []
+    assert semaphore_files(seen) == []
     out = llm.run({"prompt": "hi"}, params={"llm": {"max_tokens": 2, "temperature": 0.0}}, timeout=60)
     assert len(out["tokens"]) == 2
