@@ -47,18 +47,14 @@ from omnistage.bench.diffusion_baselines import (  # noqa: E402
     run_serial,
     service_times,
 )
-from omnistage.bench.diffusion_model import DENOISER_CONFIG, bench_model_dir, load_reference_pipeline  # noqa: E402
+from omnistage.bench.diffusion_model import (  # noqa: E402
+    DENOISER_CONFIG,
+    PROMPTS,
+    bench_model_dir,
+    load_reference_pipeline,
+)
 from omnistage.bench.diffusion_omnistage import run_omnistage, start_omnistage  # noqa: E402
 
-PROMPTS = [
-    "a photo of a cat sitting on a red chair",
-    "a watercolor painting of mountains at sunrise",
-    "an astronaut riding a horse on the moon",
-    "a bowl of fruit on a wooden table, studio lighting",
-    "a futuristic city skyline at night with neon lights",
-    "a portrait of an old man with a beard, oil painting",
-    "a small boat on a calm lake surrounded by trees",
-]
 SMALL, LARGE = 256, 512
 
 

@@ -30,7 +30,8 @@ CLIP_TOKENS = 77
 T5_TOKENS = 77
 MODEL_VERSION = "1"
 
-_CORPUS = [
+# the benchmark's prompts (bench/diffusion.py cycles through them)
+PROMPTS = [
     "a photo of a cat sitting on a red chair",
     "a watercolor painting of mountains at sunrise",
     "an astronaut riding a horse on the moon",
@@ -38,6 +39,9 @@ _CORPUS = [
     "a futuristic city skyline at night with neon lights",
     "a portrait of an old man with a beard, oil painting",
     "a small boat on a calm lake surrounded by trees",
+]
+_CORPUS = [
+    *PROMPTS,
     "low quality, blurry, deformed, ugly, jpeg artifacts",
     "the quick brown fox jumps over the lazy dog 0 1 2 3 4 5 6 7 8 9",
 ]
