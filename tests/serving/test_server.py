@@ -122,6 +122,7 @@ def test_stage_failures_map_to_http_statuses(slow_server):
     url = f"{slow_server.url}/v1/pipelines/{MODEL}/run"
     err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [-5000.0]}}, timeout=30), 400)
     assert err["type"] == "invalid_request_error" and ">=" in err["message"]
+    assert err["param"] == "x"  # raised in the worker, carried through to the HTTP error
     err = _assert_openai_error(httpx.post(url, json={"inputs": {"x": [5e6]}}, timeout=30), 500, "stage_error")
     assert err["type"] == "server_error" and "slow" in err["message"]
     _assert_openai_error(
