@@ -2,7 +2,8 @@
 
 A request carries one audio or a list of them (encoded bytes, a path, or {samples,
 sampling_rate}); its output `audio_embeds` is a list with one [tokens, hidden] tensor per
-audio, in order: the rows the thinker puts at that audio's `<|AUDIO|>` placeholders.
+audio, in order: the rows the thinker puts at that audio's `<|AUDIO|>` placeholders. A request
+without audio gets an empty list.
 
 Decoding and log-mel extraction run when a request is added (per request, CPU). The forward
 packs every audio of every batched request into one call: the tower cuts each audio into
@@ -72,9 +73,11 @@ class AudioEncoderStage(PreparedBatchEngine):
 
     def prepare(self, request: StageRequest) -> tuple[list[AudioFeatures], Hashable]:
         audio = request.inputs.get("audio")
+        if audio is None:  # a request without audio (the pipeline input left out): nothing to encode
+            return [], None
         items = audio if isinstance(audio, list) else [audio]
-        if not items or any(a is None for a in items):
-            raise InvalidRequestError("audio_encoder needs at least one audio input", param="audio")
+        if any(a is None for a in items):
+            raise InvalidRequestError("an audio input is empty", param="audio")
         return [self.processor.audio_features(a) for a in items], None
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:

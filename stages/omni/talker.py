@@ -13,6 +13,8 @@ then {"reply": [k, H]} rows, one per thinker token fed back. As transformers'
   text end and pad embeddings follow and the pad row is reused from then on, so the talker
   never sees the thinker's last token, as in transformers.
 Output `codes`: codec tokens as they are sampled (the end token excluded), `info` at the end.
+A stream that ends without prompt rows (the thinker answered in text only) finishes at once
+with no codes (finish_reason "no_speech").
 
 Sampling defaults are transformers' for Qwen2.5-Omni's talker (sampled, top-k 40, top-p 0.8,
 temperature 0.9, repetition penalty 1.05 also when greedy, stop at codec pad / end, the codec
@@ -239,8 +241,10 @@ class TalkerStage(StageEngine):
     def _hand_over(self, req: _Request) -> None:
         """Start the request once its prefill is known; pass new reply rows to the engine."""
         if not req.started:
-            if req.thinker_done and req.prompt is None:
-                self._fail(req, "the thinker's stream ended without its prompt rows")
+            if req.thinker_done and req.prompt is None:  # a text-only answer: nothing to say
+                self._requests.pop(req.request_id, None)
+                info = {"finish_reason": "no_speech", "voice": req.voice, "usage": {"codec_tokens": 0}}
+                self._pending.append(Emission(req.request_id, {"codes": [], "info": info}, finished=True))
                 return
             if req.prompt is None or not req.reply:
                 return

@@ -32,7 +32,7 @@ def _embeds(model_dir, clips):
     return run_stage(enc)["x"][-1].outputs["audio_embeds"]
 
 
-def _reference(model, model_dir, messages, clips, speech):
+def _reference(model, model_dir, messages, clips, speech, new: int = NEW):
     """transformers: the processor's ids/features, Qwen2_5OmniForConditionalGeneration.generate
     (text mode) for the tokens, the thinker's own generate for the hidden states the talker gets."""
     text = OmniProcessor(model_dir).prompt_text(messages, speech=speech)
@@ -46,11 +46,11 @@ def _reference(model, model_dir, messages, clips, speech):
     with torch.no_grad():
         seq = model.generate(
             input_ids=ids, attention_mask=kw["attention_mask"], generation_mode="text", speaker="Chelsie",
-            thinker_max_new_tokens=NEW, thinker_min_new_tokens=NEW, thinker_do_sample=False, **extra,
+            thinker_max_new_tokens=new, thinker_min_new_tokens=new, thinker_do_sample=False, **extra,
         )  # fmt: skip
         tokens = seq[0, ids.shape[1] :].tolist()
         out = model.thinker.generate(
-            input_ids=ids, attention_mask=kw["attention_mask"], max_new_tokens=NEW, min_new_tokens=NEW,
+            input_ids=ids, attention_mask=kw["attention_mask"], max_new_tokens=new, min_new_tokens=new,
             do_sample=False, output_hidden_states=True, return_dict_in_generate=True, **extra,
         )  # fmt: skip
     assert out.sequences[0, ids.shape[1] :].tolist() == tokens

@@ -1,0 +1,88 @@
+"""configs/tiny-omni.yaml end to end in worker processes: text and codec tokens equal
+transformers' Qwen2.5-Omni, speech arrives while the thinker is still writing, and a text-only
+request produces no speech."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.runtime.pipeline import Pipeline
+
+from .test_talker import N_CODES, N_TEXT, reference_codes
+from .test_thinker import _clip, _messages, _reference
+
+
+@pytest.fixture(scope="module")
+def omni_pipeline():
+    with Pipeline.from_yaml("tiny-omni", start=True, wait_ready=True, ready_timeout=600) as p:
+        yield p
+
+
+async def _collect(pipeline, inputs, params):
+    """Every chunk with its arrival time: [(port, data, t)]."""
+    chunks = []
+    async for c in pipeline.stream(inputs, params):
+        chunks.append((c.port, c.data, time.monotonic()))
+    return chunks
+
+
+def _params(speech: bool, voice: str = "Ethan", max_tokens: int = N_TEXT):
+    thinker = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "return_audio": speech}
+    return {
+        "thinker": thinker,
+        "talker": {"temperature": 0, "max_tokens": N_CODES, "voice": voice},
+        "token2wav": {"voice": voice, "seed": 0},
+    }
+
+
+def test_audio_in_speech_out_equals_transformers(omni_pipeline, omni_dir, omni_ref):
+    from transformers import AutoTokenizer
+
+    clip = _clip(1.6, 21)
+    messages = _messages(1, "What do you hear?")
+    tokens, _, _ = _reference(omni_ref, omni_dir, messages, [clip], True, N_TEXT)
+    codes, _ = reference_codes(omni_ref, omni_dir, messages, [clip], "Ethan")
+    inputs = {"messages": messages, "audio": [{"samples": clip, "sampling_rate": 16000}]}
+    chunks = asyncio.run(_collect(omni_pipeline, inputs, _params(True)))
+    by_port = {}
+    for port, data, _ in chunks:
+        if data is not None:
+            by_port.setdefault(port, []).append(data)
+    text = "".join(by_port["text"])
+    tok = AutoTokenizer.from_pretrained(str(omni_dir))
+    assert text == tok.decode(tokens, skip_special_tokens=True)
+    assert [c for part in by_port["codes"] for c in part] == codes
+    audio = torch.cat([torch.as_tensor(a).reshape(-1) for a in by_port["audio"]])
+    assert audio.numel() > 0 and torch.isfinite(audio).all() and audio.abs().max() > 1e-3
+    assert by_port["speech_info"][0]["usage"]["codec_tokens"] == len(codes)
+
+
+def test_text_only_request_makes_no_speech(omni_pipeline, omni_dir, omni_ref):
+    from transformers import AutoTokenizer
+
+    messages = _messages(0, "Tell me a short story about the sea.")
+    tokens, _, _ = _reference(omni_ref, omni_dir, messages, [], False, N_TEXT)
+    out = omni_pipeline.run({"messages": messages}, _params(False), timeout=120)
+    tok = AutoTokenizer.from_pretrained(str(omni_dir))
+    assert out["text"] == tok.decode(tokens, skip_special_tokens=True)
+    assert not out["codes"] and out["audio"] is None or len(out["audio"]) == 0
+    assert out["speech_info"]["finish_reason"] == "no_speech"
+
+
+def test_first_audio_leaves_before_the_thinker_finishes(omni_pipeline):
+    """A long answer: the first speech chunk reaches the caller before the thinker's last text."""
+    messages = _messages(0, "Talk for a while.")
+    params = _params(True, "Chelsie", max_tokens=3000)
+    params["talker"].update(min_tokens=100, max_tokens=300)
+    t0 = time.monotonic()
+    chunks = asyncio.run(_collect(omni_pipeline, {"messages": messages}, params))
+    first_audio = min(t for port, data, t in chunks if port == "audio" and data is not None and np.size(data))
+    first_text = min(t for port, data, t in chunks if port == "text" and data)
+    last_text = max(t for port, data, t in chunks if port == "text" and data)
+    print(f"first text {first_text - t0:.2f} s, first audio {first_audio - t0:.2f} s, last text {last_text - t0:.2f} s")
+    assert first_audio < last_text
