@@ -91,13 +91,16 @@ def parse_output_formats(spec: Any, requested: dict[str, Any]) -> dict[str, Medi
 def format_for_accept(spec: Any, accept: str | None) -> MediaFormat | None:
     """A media type in the Accept header -> the one output port that can answer with it.
 
-    None when the header asks for no media type (JSON is answered); 406 when it names a media
-    type no single output port of this pipeline gives.
+    The header's entries are taken in order (quality values are ignored): JSON is answered when
+    `application/json` or `*/*` comes before any media type, or none is named; 406 when the
+    first media type named is one no single output port of this pipeline gives.
     """
     if not accept:
         return None
     wanted = [part.split(";")[0].strip().lower() for part in accept.split(",")]
     for media_type in wanted:
+        if media_type in ("application/json", "*/*", "application/*"):
+            return None  # JSON is acceptable before any media type: answer JSON
         for port_type, formats in FORMATS_BY_PORT_TYPE.items():
             for fmt, known in formats.items():
                 if known != media_type:

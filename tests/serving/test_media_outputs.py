@@ -91,6 +91,6 @@ def test_media_requests_that_cannot_be_met_are_refused(tiny_server, name, body, 
 
 
 def test_accept_json_or_any_keeps_the_json_answer(tiny_server):
-    for accept in ("application/json", "*/*"):
+    for accept in ("application/json", "*/*", "application/json, image/png"):
         r = _run(tiny_server, "tiny-image", IMAGE, headers={"accept": accept})
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"

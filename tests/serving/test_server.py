@@ -161,6 +161,9 @@ def test_full_intake_queue_rejects_at_once(slow_server):
     assert rejected is not None, "the full intake queue never rejected"
     err = _assert_openai_error(rejected, 503, "overloaded")
     assert rejected.headers["retry-after"] == "1" and err["type"] == "server_error"
+    # streamed, the refusal comes before any output: the same 503, not a 200 stream
+    streamed = httpx.post(url, json={"inputs": {"x": [1.0]}, "stream": True}, timeout=30)
+    _assert_openai_error(streamed, 503, "overloaded")
     for t in threads:
         t.join(30)
     assert statuses == [200, 200]
