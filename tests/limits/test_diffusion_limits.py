@@ -157,3 +157,17 @@ def test_out_of_range_is_a_400_from_the_text_encoder(server, name, params, param
     error = r.json()["error"]
     assert error["param"] == param, error
     assert error["message"].startswith("stage 'text_encoder': "), error  # before the denoiser
+
+
+def test_pipeline_defaults_are_checked(tmp_path):
+    """A denoiser's `defaults` stage param: unknown keys are YAML problems at their position;
+    a default outside the checkpoint's range stops the stage at start-up, naming it."""
+    from omnistage.graph.loader import PipelineValidationError
+    from omnistage.runtime.pipeline import Pipeline
+
+    with pytest.raises(PipelineValidationError, match="unknown key 'heigth'"):
+        load_pipeline("tiny-image", ["stages.denoiser.params.defaults={heigth: 32}"])
+    spec = load_pipeline("tiny-image", ["stages.denoiser.params.defaults={height: 272}"])
+    with pytest.raises(Exception, match=r"defaults\.height: height must be <= 256") as info:
+        Pipeline.from_spec(spec, ready_timeout=120)
+    assert "denoiser" in str(info.value)
