@@ -208,16 +208,20 @@ class Token2WavStage(StageEngine):
     # -- stepping -------------------------------------------------------------------------
     def _pick_windows(self) -> list[tuple[Token2WavRequest, Span, Any]]:
         """Ready DiT windows for one forward: oldest request first, one window per request per
-        round, all with the first pick's ODE settings, at most max_batch_size windows."""
+        round, all with the first pick's ODE settings, at most max_batch_size windows. A request
+        without audio yet sends only its first window (a small forward: low first-audio latency)."""
         block = self.net.block_frames
         queue = sorted(self.requests.values(), key=lambda s: s.arrival)
         cursor = {s.request_id: s.written for s in queue}
         picked: list[tuple[Token2WavRequest, Span, Any]] = []
         ode = None
+        first_round = True
         while len(picked) < self.max_windows:
             added = False
             for state in queue:
                 if len(picked) >= self.max_windows or (ode is not None and state.ode != ode):
+                    continue
+                if not first_round and state.written == 0:
                     continue
                 nxt = state.next_window(block, after=cursor[state.request_id])
                 if nxt is None:
@@ -228,6 +232,7 @@ class Token2WavStage(StageEngine):
                 added = True
             if not added:
                 break
+            first_round = False
         return picked
 
     def step(self) -> list[Emission]:
