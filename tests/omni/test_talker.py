@@ -198,3 +198,48 @@ def test_a_waiting_talker_sequence_does_not_stall_its_batch(omni_dir, omni_ref):
     codes_b += [c for e in run_stage(talker)["B"] for c in e.outputs.get("codes", [])]
     assert codes_b == expected["B"]
     assert talker.engine.num_free_blocks == talker.engine.num_total_blocks
+
+
+def test_eight_concurrent_requests_get_what_they_get_alone_and_cancel_frees_kv(omni_dir, omni_ref):
+    """Eight requests with different prompts, audio and voices run together through thinker and
+    talker; each gets transformers' codes for it alone. Two more are cancelled mid-answer in
+    both stages: the others are unaffected and both KV pools end full."""
+    texts = ["Hello there.", "What do you hear?", "Sing a song.", "Describe the noise.", "Count to five.",
+             "Is it music?", "Tell me more.", "Why?"]  # fmt: skip
+    thinker = ThinkerStage(make_ctx("thinker", omni_dir, max_num_batched_tokens=128))
+    talker = TalkerStage(make_ctx("talker", omni_dir))
+    expected = {}
+    for i, text in enumerate(texts):
+        clips = [_clip(0.4 + 0.3 * i, 100 + i)] if i % 2 else []
+        voice = ("Chelsie", "Ethan")[i % 3 % 2]
+        messages = _messages(len(clips), text)
+        expected[f"c{i}"] = reference_codes(omni_ref, omni_dir, messages, clips, voice)[0]
+        inputs = {"messages": messages, **({"audio_embeds": _embeds(omni_dir, clips)} if clips else {})}
+        thinker.add(StageRequest(f"c{i}", inputs, _thinker_params()))
+        talker.add(StageRequest(f"c{i}", {}, _talker_params(voice)))
+    for rid in ("x0", "x1"):  # to be cancelled
+        thinker.add(StageRequest(rid, {"messages": _messages(0, "A long answer, please.")}, _thinker_params()))
+        talker.add(StageRequest(rid, {}, _talker_params("Ethan")))
+    codes, steps, cancelled = {}, 0, False
+    while thinker.has_work() or talker.has_work() or talker.num_requests():
+        for e in thinker.step():
+            chunk = e.outputs.get("talker_embeds")
+            if chunk is not None or e.finished:
+                talker.feed(e.request_id, "talker_embeds", chunk, e.finished)
+        if talker.has_work():
+            for e in talker.step():
+                codes.setdefault(e.request_id, []).extend(e.outputs.get("codes", []))
+        steps += 1
+        if not cancelled and {"x0", "x1"} <= set(codes):  # both are decoding in both stages now
+            assert thinker.engine.requests.keys() >= {"x0", "x1"}
+            for stage in (thinker, talker):
+                stage.abort("x0")
+                stage.abort("x1")
+            cancelled = True
+    assert cancelled
+    assert {rid: codes[rid] for rid in expected} == expected
+    assert len(codes["x0"]) < N_CODES and len(codes["x1"]) < N_CODES
+    assert max(r.batch_size for r in talker.step_log) >= 8  # they really ran together
+    for stage in (thinker, talker):
+        assert stage.num_requests() == 0
+        assert stage.engine.num_free_blocks == stage.engine.num_total_blocks
