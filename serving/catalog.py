@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from omnistage.serving.media import FORMATS_BY_PORT_TYPE
+from omnistage.stages.diffusion.limits import stage_limits
 
 log = logging.getLogger("omnistage.serving")
 
@@ -68,6 +69,8 @@ def describe_pipeline(entry: Any, *, detail: bool = True) -> dict[str, Any]:
     if spec is None:
         return card
     card["inputs"] = {port: {"type": t} for port, t in spec.inputs.items()}
+    for port, tensor in getattr(spec, "input_tensors", {}).items():  # declared shape/dtype (graph/inputs.py)
+        card["inputs"][port].update(shape=None if tensor.shape is None else list(tensor.shape), dtype=tensor.dtype)
     card["outputs"] = _outputs(spec)
     if not detail:
         return card
@@ -75,6 +78,9 @@ def describe_pipeline(entry: Any, *, detail: bool = True) -> dict[str, Any]:
     for name, stage in spec.stages.items():
         params, open_ = request_params_of(stage.kind)
         stages[name] = {"kind": stage.kind, "params": params, "accepts_undeclared_params": open_}
+        limits = stage_limits(stage) if entry.is_ready() else None  # the checkpoint's defaults and range
+        if limits is not None:
+            stages[name]["model_limits"] = limits
     card["stages"] = stages
     card["example_request"] = _example_request(spec)
     return card

@@ -203,3 +203,29 @@ def checkpoint_limits(ctx: Any) -> ModelLimits | None:
         return None
     limits = family_module(family).model_limits(transformer_config, read_config(folder("vae")) or {})
     return limits.with_defaults(params.get("defaults"))
+
+
+def stage_limits(stage: Any) -> dict[str, Any] | None:
+    """A denoiser stage's defaults (its `defaults` param applied) and range as plain data,
+    for listings (GET /v1/pipelines/NAME), from a StageSpec whose model is already on disk
+    (call it once the pipeline is ready: a tiny recipe is then built and this only reads two
+    config files). None for other kinds or when the checkpoint cannot be read."""
+    if stage.kind != "denoiser" or stage.model is None:
+        return None
+    key = (stage.kind, stage.model.source, stage.model.subfolder, json.dumps(stage.params, sort_keys=True, default=str))
+    if key not in _STAGE_LIMITS:
+        from types import SimpleNamespace
+
+        from omnistage.models.recipes import resolve_model
+
+        try:
+            path = resolve_model(stage.model.source, stage.model.subfolder)
+            ctx = SimpleNamespace(kind=stage.kind, model_path=str(path), params=dict(stage.params or {}))
+            limits = checkpoint_limits(ctx)
+        except (OSError, ValueError, KeyError):
+            limits = None
+        _STAGE_LIMITS[key] = limits.describe() if limits is not None else None
+    return _STAGE_LIMITS[key]
+
+
+_STAGE_LIMITS: dict[tuple, dict[str, Any] | None] = {}

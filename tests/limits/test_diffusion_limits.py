@@ -132,6 +132,17 @@ def test_video_with_only_a_prompt_has_the_pipeline_default_size(server):
     assert video.shape == (stated["num_frames"], stated["height"], stated["width"], 3)
 
 
+def test_listing_states_each_pipelines_defaults_and_range(server):
+    _, sd3_limits = _limits("tiny-sd3", sd3)
+    image = httpx.get(f"{server.url}/v1/pipelines/tiny-image", timeout=30).json()["stages"]["denoiser"]
+    assert image["model_limits"]["height"] == sd3_limits.defaults.height
+    assert image["model_limits"]["max_height"] == sd3_limits.sizes.max_height
+    stated = load_pipeline("tiny-video").stages["denoiser"].params["defaults"]
+    video = httpx.get(f"{server.url}/v1/pipelines/tiny-video", timeout=30).json()["stages"]["denoiser"]
+    assert {k: video["model_limits"][k] for k in stated} == stated
+    assert video["model_limits"]["max_frames"] == 125 and video["model_limits"]["frame_step"] == 4
+
+
 def test_largest_image_the_limits_allow_is_served(server):
     r = _run(server, "tiny-image", "a cat", {"height": 256, "width": 256, "num_inference_steps": 1})
     assert r.status_code == 200, r.text

@@ -106,5 +106,7 @@ def test_http_wrong_shape_is_a_400_naming_the_input(tmp_path):
         assert "shape [*, 8]" in error["message"]
         good = httpx.post(url, json={"inputs": {"x": [[0.5] * 8] * 3}}, timeout=30)
         assert good.status_code == 200, good.text
+        card = httpx.get(f"{server.url}/v1/pipelines/tiny-diamond", timeout=30).json()
+        assert card["inputs"]["x"] == {"type": "tensor", "shape": [None, 8], "dtype": "float32"}
     finally:
         server.stop()
