@@ -222,7 +222,7 @@ def stage_limits(stage: Any) -> dict[str, Any] | None:
             path = resolve_model(stage.model.source, stage.model.subfolder)
             ctx = SimpleNamespace(kind=stage.kind, model_path=str(path), params=dict(stage.params or {}))
             limits = checkpoint_limits(ctx)
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, InvalidRequestError):  # e.g. a hub id not in the local cache
             limits = None
         _STAGE_LIMITS[key] = limits.describe() if limits is not None else None
     return _STAGE_LIMITS[key]
