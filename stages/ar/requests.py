@@ -3,11 +3,13 @@
 `RequestChecker.check(...)` turns what `LLMEngine.add_request` received into a
 `CheckedRequest` (token ids, embeddings and positions on the engine's device and dtype) or
 raises InvalidRequestError naming the bad input; nothing is queued before it passes.
+`tokens_input` / `embeddings_input` read the `ar_lm` stage's `tokens` / `embeddings` inputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -98,3 +100,29 @@ class RequestChecker:
                 f"position_ids must be (3, {num_prompt}), got {tuple(position_ids.shape)}", param="position_ids"
             )
         return pos, int(pos.max()) + 1 - num_prompt
+
+
+def tokens_input(value: Any) -> list[int]:
+    """The `tokens` input of a stage request: a list of ints or a 1-D integer tensor ([1, T] too)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        if value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool:
+            raise InvalidRequestError("tokens must be a 1-D integer tensor or a list of ints", param="tokens")
+        return [int(t) for t in value.tolist()]
+    if isinstance(value, (list, tuple)) and (
+        set(map(type, value)) <= {int}  # the common case, checked in C
+        or all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
+        return list(value)
+    raise InvalidRequestError("tokens must be a list of ints", param="tokens")
+
+
+def embeddings_input(value: Any) -> torch.Tensor:
+    """The `embeddings` input of a stage request: a float tensor [T, hidden] ([1, T, hidden] too)."""
+    t = torch.as_tensor(value)
+    if t.dim() == 3 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 2 or not t.is_floating_point():
+        raise InvalidRequestError("embeddings must be a float tensor [tokens, hidden]", param="embeddings")
+    return t

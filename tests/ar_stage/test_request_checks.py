@@ -27,6 +27,7 @@ BAD_INPUTS = [
     ({"tokens": [1.7, 2.2]}, "tokens", "list of ints"),
     ({"tokens": torch.tensor([1.7, 2.2])}, "tokens", "integer"),
     ({"tokens": [3, True]}, "tokens", "list of ints"),
+    ({"tokens": torch.tensor([True, False])}, "tokens", "integer"),
     ({"prompt": "a\ud800b"}, "prompt", "lone surrogate"),
     ({"messages": [{"role": "user", "content": "hi \udfff"}]}, "messages", "lone surrogate"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages", "role must be one of"),
