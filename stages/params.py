@@ -16,13 +16,19 @@ Stable API for other layers (serving lists a pipeline's params with these):
                                                  "request_params": schema}
     ParamSet.json_schema() -> dict              JSON Schema object: properties with type,
                                                  minimum/maximum, enum, default, description;
-                                                 additionalProperties false
-    ParamSet.describe() -> list[dict]           [{name, type, default, range, description}]
+                                                 required; additionalProperties = ParamSet.open
+    ParamSet.describe() -> list[dict]           [{name, type, nullable, required, default,
+                                                  range, description}]
+    ParamSet.open                               True: undeclared keys pass to the stage as is
     ParamSet.validate(raw) -> dict              checked values, defaults filled in; raises
                                                  InvalidRequestError(param=<name>) on the first
                                                  bad or unknown key
     ParamSet.problems(raw) -> list[str]         every problem, as messages (YAML validation)
     params_markdown() -> str                    docs/params.md's tables, every kind
+    params_doc() -> str                         docs/params.md (python -m omnistage.stages.params)
+
+A bad value's message reads "<name> must be <what>, got <value>"; an unknown key's names the
+set and suggests the closest declared name.
 """
 
 from __future__ import annotations
