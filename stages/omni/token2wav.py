@@ -201,9 +201,7 @@ class Token2WavStage(StageEngine):
 
     def has_work(self) -> bool:
         block = self.net.block_frames
-        return bool(self._pending) or any(
-            s.done or s.next_window(block) is not None or s.vocoder_window() is not None for s in self.requests.values()
-        )
+        return bool(self._pending) or any(s.ready(block) for s in self.requests.values())
 
     # -- stepping -------------------------------------------------------------------------
     def _pick_windows(self) -> list[tuple[Token2WavRequest, Span, Any]]:

@@ -103,7 +103,6 @@ class Token2WavRequest:
     written: int = 0  # mel frames the DiT has finished
     vocoded: int = 0  # mel frames turned into audio
     mel: list[torch.Tensor] = field(default_factory=list)  # finished mel pieces, in order
-    failed: str | None = None
 
     @property
     def known(self) -> int:
@@ -126,6 +125,14 @@ class Token2WavRequest:
         r = self.repeats
         codes = torch.tensor(self.codes[span.read_start // r : span.read_end // r], dtype=torch.long)
         return span, DitWindow(codes, self.noise.slice(span.read_start, span.read_end), self.voice)
+
+    def ready(self, block: int) -> bool:
+        """True when a step would do something for this request (a DiT or vocoder window, or
+        its end); plans only, builds nothing."""
+        if self.done or plan_dit_window(self.written, self.known, self.ended, block, self.windows) is not None:
+            return True
+        all_final = self.ended and self.written >= self.known
+        return plan_vocoder_window(self.vocoded, self.written, all_final, self.windows.vocoder_overlap) is not None
 
     def take_mel(self, span: Span, mel: torch.Tensor) -> None:
         self.mel.append(mel[span.start - span.read_start : span.end - span.read_start])
