@@ -75,3 +75,32 @@ def test_startup_log_has_one_line_per_stage_and_no_third_party_noise(tiny_server
         assert len(re.findall(rf"pipeline '{name}' ready in", log)) == 1
     assert "accelerate" not in log
     assert "Loading weights" not in log and "it/s]" not in log  # no tqdm bars
+
+
+def test_a_started_stream_cut_by_the_drain_timeout_ends_with_the_error(tmp_path):
+    server = start_server(["tiny-llm", "--drain-timeout", "1"], tmp_path / "server.log")
+    events: list[str] = []
+    try:
+        server.wait_ready(timeout=300)
+        body = {
+            "inputs": {"prompt": "Hello"},
+            "params": {"llm": {"max_tokens": 2000, "ignore_eos": True}},
+            "stream": True,
+        }
+        with httpx.stream("POST", f"{server.url}/v1/pipelines/tiny-llm/run", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:  # the stream has started: now drain
+                    server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()
+    finally:
+        server.stop()
+    assert events[-1] == "[DONE]", events[-3:]
+    last = json.loads(events[-2])
+    assert last["error"]["code"] == "draining", last
+    tokens = sum(len(json.loads(e)["data"]) for e in events[:-2] if json.loads(e)["port"] == "tokens")
+    assert tokens < 2000  # cut, not finished
+    assert "Traceback" not in server.log()
