@@ -136,3 +136,17 @@ def test_docs_page_loads_its_assets_from_this_server(tiny_server):
         assert r.status_code == 200 and len(r.content) > 10_000
     spec = httpx.get(tiny_server.url + "/openapi.json", timeout=10).json()
     assert "/v1/pipelines/{name}/run" in spec["paths"]
+
+
+def test_official_openai_client_reads_stage_errors_with_their_param(tiny_server):
+    import openai
+
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
+    body = {"inputs": {"prompt": "hi"}, "params": {"llm": {"temperature": -1}}, "stream": True}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.post("/pipelines/tiny-llm/run", body=body, cast_to=object)
+    assert info.value.status_code == 400
+    assert info.value.param == "temperature" and info.value.code == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.post("/pipelines/nope/run", body={"inputs": {}}, cast_to=object)
+    assert info.value.code == "model_not_found" and info.value.param == "model"
