@@ -14,7 +14,14 @@ from omnistage.serving.errors import error_body
 from omnistage.streaming.sse import SSE_DONE, sse_event
 
 # Probes and scrapes: never counted as work, always answered (also while draining).
-SYSTEM_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models"})
+SYSTEM_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/models", "/v1/pipelines"})
+
+
+def is_system_path(path: str, method: str) -> bool:
+    """Probes, scrapes and read-only listings (models, pipeline cards): not work."""
+    if path in SYSTEM_PATHS or path.startswith("/v1/models/"):
+        return True
+    return method == "GET" and path.startswith("/v1/pipelines/") and path.count("/") == 3
 
 
 class ServingMiddleware:
@@ -28,7 +35,7 @@ class ServingMiddleware:
         if kind not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        system = path in SYSTEM_PATHS or path.startswith("/v1/models/")
+        system = is_system_path(path, scope.get("method", "GET"))
         if self.registry.draining and not system:
             await _reject_draining(kind, send)
             self.metrics.observe(scope.get("method", "WS"), "draining", 503, 0.0)

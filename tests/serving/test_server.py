@@ -275,6 +275,7 @@ def test_sigterm_drains_inflight_then_exits_clean(slow_server):
     assert 'route="draining",status="503"' in metrics and "omnistage_draining 1.0" in metrics
     assert httpx.get(f"{url}/ready").json()["draining"] is True
     assert httpx.get(f"{url}/health").json()["status"] == "draining"
+    assert httpx.get(f"{url}/v1/pipelines/{MODEL}").json()["id"] == MODEL  # listings too
 
     worker.join(60)
     assert result.get("status") == 200, result
