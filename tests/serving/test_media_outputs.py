@@ -94,3 +94,39 @@ def test_accept_json_or_any_keeps_the_json_answer(tiny_server):
     for accept in ("application/json", "*/*", "application/json, image/png"):
         r = _run(tiny_server, "tiny-image", IMAGE, headers={"accept": accept})
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+
+
+SPEECH = {
+    "inputs": {"messages": [{"role": "user", "content": "Hello"}]},
+    "params": {"thinker": {"max_tokens": 8, "temperature": 0}, "talker": {"temperature": 0, "max_tokens": 40}},
+}
+
+
+@pytest.fixture(scope="module")
+def omni_server(tmp_path_factory):
+    from omnistage.tests.serving.conftest import start_server
+
+    server = start_server(["tiny-omni"], tmp_path_factory.mktemp("serve-omni") / "server.log")
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_audio_port_leaves_as_wav_and_flac(omni_server):
+    import soundfile
+
+    raw = _run(omni_server, "tiny-omni", SPEECH)
+    assert raw.status_code == 200, raw.text
+    samples = len(raw.json()["outputs"]["audio"])
+    assert samples > 0
+    r = _run(omni_server, "tiny-omni", SPEECH, headers={"accept": "audio/wav"})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav", r.text
+    wav, rate = soundfile.read(io.BytesIO(r.content), dtype="int16")
+    assert rate == 24_000 and wav.ndim == 1 and len(wav) == samples  # greedy: the same codes, the same length
+    body = {**SPEECH, "output_format": {"audio": {"format": "flac", "sample_rate": 16_000}}}
+    audio = _run(omni_server, "tiny-omni", body).json()["outputs"]["audio"]
+    assert audio["media_type"] == "audio/flac"
+    flac, rate = soundfile.read(io.BytesIO(base64.b64decode(audio["b64_json"])), dtype="int16")
+    assert rate == 16_000 and len(flac) == samples  # the rate is a label: samples are not resampled
