@@ -125,26 +125,9 @@ def save_feature_extractor(out_dir: Path) -> None:
     ).save_pretrained(str(out_dir))
 
 
-def omni_config(tok, shape: OmniShape):
-    """A tiny `Qwen2_5OmniConfig` whose special ids all live in the tiny vocabularies."""
-    from transformers import Qwen2_5OmniConfig
-
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in MEDIA_TOKENS.items()}
-    vocab = len(tok)
-    media = dict(
-        audio_token_index=ids["audio_token"],
-        image_token_index=ids["image_token"],
-        video_token_index=ids["video_token"],
-        audio_start_token_id=ids["audio_bos_token"],
-        audio_end_token_id=ids["audio_eos_token"],
-    )
-    tts = dict(
-        zip(
-            ["tts_text_pad_token_id", "tts_text_start_token_id", "tts_text_end_token_id"],
-            tok.convert_tokens_to_ids(TTS_TOKENS),
-        )
-    )
-    thinker = dict(
+def _thinker_config(vocab: int, shape: OmniShape, ids: dict[str, int], media: dict[str, int]) -> dict:
+    """The thinker: text model at toy width, audio tower with the real 128 mel bins, vision tower."""
+    return dict(
         text_config=dict(
             vocab_size=vocab,
             hidden_size=64,
@@ -189,6 +172,28 @@ def omni_config(tok, shape: OmniShape):
         vision_start_token_id=ids["vision_bos_token"],
         vision_end_token_id=ids["vision_eos_token"],
     )
+
+
+def omni_config(tok, shape: OmniShape):
+    """A tiny `Qwen2_5OmniConfig` whose special ids all live in the tiny vocabularies."""
+    from transformers import Qwen2_5OmniConfig
+
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in MEDIA_TOKENS.items()}
+    vocab = len(tok)
+    media = dict(
+        audio_token_index=ids["audio_token"],
+        image_token_index=ids["image_token"],
+        video_token_index=ids["video_token"],
+        audio_start_token_id=ids["audio_bos_token"],
+        audio_end_token_id=ids["audio_eos_token"],
+    )
+    tts = dict(
+        zip(
+            ["tts_text_pad_token_id", "tts_text_start_token_id", "tts_text_end_token_id"],
+            tok.convert_tokens_to_ids(TTS_TOKENS),
+        )
+    )
+    thinker = _thinker_config(vocab, shape, ids, media)
     talker = dict(
         vocab_size=CODEC_VOCAB, embedding_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.3,

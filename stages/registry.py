@@ -23,6 +23,7 @@ KIND_MODULES: dict[str, str] = {
     "vae_decoder": "omnistage.stages.diffusion.vae",
     # Qwen2.5-Omni (stages/omni)
     "audio_encoder": "omnistage.stages.omni.audio_encoder",
+    "vision_encoder": "omnistage.stages.omni.vision_encoder",
     "thinker": "omnistage.stages.omni.thinker",
     "talker": "omnistage.stages.omni.talker",
     "token2wav": "omnistage.stages.omni.token2wav",

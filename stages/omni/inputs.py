@@ -6,7 +6,7 @@ import it through transformers, it switches transformers' image processors to th
 variants for the other pipelines too, and its compiled ops must match the pinned torch build
 exactly. The parts the pipeline needs are small and taken from the well-kept pieces directly:
 `WhisperFeatureExtractor` (the log-mel the model was trained on), the checkpoint's tokenizer
-and chat template, and the placeholder expansion (one `<|AUDIO|>` per encoder output frame),
+and chat template, and the placeholder expansion (one `<|AUDIO|>` / `<|IMAGE|>` per encoder row),
 checked token for token against the real processor in tests/omni/test_inputs.py.
 
 Audio arrives in any container soundfile reads (WAV, FLAC, OGG/Vorbis, ...) or, failing that,
@@ -120,6 +120,8 @@ class OmniProcessor:
         tok = self.tokenizer
         self.audio_token = tok.audio_token
         self.audio_token_id = tok.convert_tokens_to_ids(tok.audio_token)
+        self.image_token = tok.image_token
+        self.image_token_id = tok.convert_tokens_to_ids(tok.image_token)
 
     # -- audio -------------------------------------------------------------------------------
     def audio_features(self, audio: Any) -> AudioFeatures:
@@ -164,12 +166,23 @@ class OmniProcessor:
 
     def expand_audio(self, text: str, audio_tokens: list[int]) -> list[int]:
         """Token ids of `text` with its i-th `<|AUDIO|>` repeated audio_tokens[i] times."""
-        pieces = text.split(self.audio_token)
-        if len(pieces) - 1 != len(audio_tokens):
-            raise InvalidRequestError(
-                f"the prompt has {len(pieces) - 1} audio parts but {len(audio_tokens)} audio inputs", param="audio"
-            )
-        expanded = pieces[0]
-        for n, piece in zip(audio_tokens, pieces[1:]):
-            expanded += self.audio_token * n + piece
-        return self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        return self.expand_media(text, audio_tokens, [])
+
+    def expand_media(self, text: str, audio_tokens: list[int], image_tokens: list[int]) -> list[int]:
+        """Token ids of `text` with its i-th `<|AUDIO|>` / `<|IMAGE|>` repeated as many times as
+        that audio / image has encoder rows."""
+        text = _expand(text, self.audio_token, audio_tokens, "audio")
+        text = _expand(text, self.image_token, image_tokens, "images")
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _expand(text: str, placeholder: str, counts: list[int], what: str) -> str:
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != len(counts):
+        raise InvalidRequestError(
+            f"the prompt has {len(pieces) - 1} {what} parts but {len(counts)} {what} inputs", param=what
+        )
+    expanded = pieces[0]
+    for n, piece in zip(counts, pieces[1:]):
+        expanded += placeholder * n + piece
+    return expanded

@@ -5,8 +5,9 @@ then {"reply": [k, H]} rows, one per thinker token fed back. As transformers'
 `Qwen2_5OmniForConditionalGeneration.generate` builds the talker's input:
 - prefill (starts once the prompt and the first reply row are in): the P prompt rows, the
   voice's text-side bos embedding, the first reply row; the codec pad / bos embeddings are
-  added to the last two rows; positions 0..P+1 (with text and audio only, its rope index is
-  1-D). The codec prompt ids (mask * P, pad, bos) count for the repetition penalty.
+  added to the last two rows; positions 0..P+1 on all axes, or, with an image in the prompt,
+  the thinker's 3-D prompt positions followed by the next two (its rope index over the same
+  ids). The codec prompt ids (mask * P, pad, bos) count for the repetition penalty.
 - decode step t adds reply row t + 1 to the fed-back codec token's embedding. Rows arrive
   while the talker runs (`extend_decode_embeds`); a sequence whose next row is not there yet
   waits in the engine (its batch mates keep stepping). When the thinker's stream ends, the
@@ -48,12 +49,12 @@ STAGE_PARAMS = ParamSet(
         Param("weight_prefix", "string", "talker.", "The talker's weights' prefix in the Omni checkpoint."),
         Param("voices_file", "string", None, "Voices file (default: spk_dict.pt beside the weights).", nullable=True),
         Param(
-            "codec_prompt_embeds",
+            "generate_compat",
             "boolean",
-            True,
-            "Add the codec pad / bos embeddings to the last two prompt rows, as the talker's forward "
-            "defines; false reproduces transformers 5.x generate() on unpadded input, which drops "
-            "an all-ones attention mask and with it this step.",
+            False,
+            "Reproduce transformers 5.x generate() on unpadded input: it drops an all-ones attention "
+            "mask, and without one the talker's forward skips the codec pad / start embeddings of the "
+            "last two prompt rows and uses 1-D positions. false: the prefill as the forward defines it.",
         ),
     ),
 )
@@ -122,6 +123,7 @@ class _Request:
     voice: str
     sampling: SamplingParams
     prompt: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # (3, P) when the thinker's prompt had an image
     reply: list[torch.Tensor] = field(default_factory=list)  # rows not yet handed to the engine
     thinker_done: bool = False
     started: bool = False
@@ -146,7 +148,7 @@ class TalkerStage(StageEngine):
             raise ValueError("talker needs a Qwen2.5-Omni model")
         params = STAGE_PARAMS.validate(ctx.params)
         self.setup = TalkerSetup.load(str(ctx.model_path), params["voices_file"])
-        self.codec_prompt_embeds = params["codec_prompt_embeds"]
+        self.generate_compat = params["generate_compat"]
         self.engine = LLMEngine(
             EngineConfig(
                 model_path=str(ctx.model_path),
@@ -194,6 +196,7 @@ class TalkerStage(StageEngine):
         if chunk:
             if "prompt" in chunk:
                 req.prompt = chunk["prompt"].float()
+                req.positions = chunk.get("positions")
             if "reply" in chunk:
                 req.reply.append(chunk["reply"].float())
         if last:
@@ -264,11 +267,15 @@ class TalkerStage(StageEngine):
         codec = self.engine.model.embed_tokens
         with torch.no_grad():
             extra = codec(torch.tensor([s.codec_pad, s.codec_bos], device=codec.weight.device)).float().cpu()
-        if self.codec_prompt_embeds:
+        positions = None
+        if not self.generate_compat:
             prompt[-2:] += extra
+            if req.positions is not None:  # an image in the prompt: the thinker's 3-D positions
+                nxt = int(req.positions.max()) + 1
+                positions = torch.cat([req.positions, torch.tensor([[nxt, nxt + 1]]).expand(3, 2)], dim=1)
         n = prompt.shape[0]
         try:
-            self.engine.add_request(req.request_id, None, req.sampling, inputs_embeds=prompt)
+            self.engine.add_request(req.request_id, None, req.sampling, inputs_embeds=prompt, position_ids=positions)
         except InvalidRequestError as err:
             self._fail(req, str(err), err.param)
             return

@@ -1,22 +1,25 @@
-"""The `thinker` stage: Qwen2.5-Omni's text model on the `ar_lm` engine, with audio merged in.
+"""The `thinker` stage: Qwen2.5-Omni's text model on the `ar_lm` engine, with audio and images merged in.
 
-A request gives chat `messages` (typed parts: text, audio) and, from the `audio_encoder`,
-`audio_embeds` (one tensor per audio part, in order). The stage renders the chat template
-(with the speech system prompt when the answer is spoken), expands each `<|AUDIO|>` to its
-encoder length, embeds the text tokens with the thinker's own table and puts the audio rows at
-the placeholders. Positions: with audio and text only, transformers' `get_rope_index` gives
-every token the same id on all three M-RoPE axes (audio spans advance one per row), which is
-what the engine does for a prompt without position_ids; images and video are not built yet.
+A request gives chat `messages` (typed parts: text, audio, image) and, from the encoders,
+`audio_embeds` (one tensor per audio part, in order) and `image_embeds` (one {"embeds",
+"grid_thw"} per image part). The stage renders the chat template (with the speech system
+prompt when the answer is spoken), expands each `<|AUDIO|>` / `<|IMAGE|>` to its encoder
+length, embeds the text tokens with the thinker's own table and puts the encoder rows at the
+placeholders. Positions follow transformers' `get_rope_index` (stages/omni/positions.py): one
+id on all three M-RoPE axes for text and audio, the patch grid for an image; without an image
+that is what the engine does for a prompt without explicit positions, so none are passed.
 
-Prefix caching covers the audio content: each prompt position is keyed by its token id, or
-for an audio row by a 64-bit digest of that audio's embeddings, so two requests with equal
-token ids but different audio never share KV blocks and the same audio twice does.
+Prefix caching covers the media content: each prompt position is keyed by its token id, or
+for an audio / image row by a 64-bit digest of that item's embeddings (and grid), so two
+requests with equal token ids but different audio never share KV blocks and the same audio
+twice does.
 
 Per generated token it streams `talker_embeds`, what the talker conditions on: a chunk
 {"prompt": [P, hidden]} once the prompt has run (input embeddings with the multimodal rows
 zeroed, as transformers hands them to the talker, plus the last layer's hidden states), then
 {"reply": [k, hidden]} rows (token embedding + last hidden state) for each generated token as
-it is fed back. A request whose prompt rows are needed skips prefix-cache hits (cached
+it is fed back. With an image the prompt chunk also carries "positions" (3, P), which the
+talker's prefill continues. A request whose prompt rows are needed skips prefix-cache hits (cached
 positions are not run, so their hidden states would be missing).
 """
 
@@ -34,7 +37,9 @@ from omnistage.stages.ar.stage import REQUEST_PARAMS as AR_REQUEST_PARAMS
 from omnistage.stages.ar.stage import STAGE_PARAMS as AR_STAGE_PARAMS
 from omnistage.stages.ar.stage import ARLMStage
 from omnistage.stages.base import Emission, Port, StageContext
+from omnistage.stages.omni.checkpoint import read_config
 from omnistage.stages.omni.inputs import OmniProcessor
+from omnistage.stages.omni.positions import mrope_positions
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
@@ -54,10 +59,19 @@ REQUEST_PARAMS = AR_REQUEST_PARAMS.extended(
 _LAST_LAYER = -1
 
 
-def content_key(rows: torch.Tensor) -> int:
+def content_key(rows: torch.Tensor, grid: Any = None) -> int:
     """A negative 64-bit key for one multimodal item (negative: never a token id)."""
-    digest = hashlib.blake2b(rows.detach().contiguous().cpu().numpy().tobytes(), digest_size=8).digest()
+    h = hashlib.blake2b(rows.detach().contiguous().cpu().numpy().tobytes(), digest_size=8)
+    if grid is not None:
+        h.update(repr([int(x) for x in grid]).encode())
+    digest = h.digest()
     return -1 - (int.from_bytes(digest, "little") >> 1)
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 @dataclass
@@ -66,6 +80,7 @@ class OmniPrompt:
     embeds: torch.Tensor | None  # None: text only (plain token prompt)
     media_mask: torch.Tensor | None  # [T] bool: rows that came from an encoder
     cache_keys: list[int] | None
+    positions: torch.Tensor | None = None  # (3, T) M-RoPE positions; None: 1-D (no image)
 
 
 @dataclass
@@ -74,6 +89,7 @@ class _TalkerFeed:
 
     num_prompt: int
     media_mask: torch.Tensor | None
+    positions: torch.Tensor | None
     prompt_rows: list[torch.Tensor] = field(default_factory=list)
     rows_seen: int = 0
 
@@ -83,6 +99,7 @@ class ThinkerStage(ARLMStage):
     inputs = {
         "messages": Port("json"),
         "audio_embeds": Port("embeddings", optional=True),
+        "image_embeds": Port("embeddings", optional=True),
     }
     outputs = {
         "text": Port("text", streaming=True),
@@ -106,6 +123,9 @@ class ThinkerStage(ARLMStage):
         params["hidden_state_layers"] = [0, _LAST_LAYER] if self.talker_output else []
         super().__init__(dataclasses.replace(ctx, params=params))
         self.processor = OmniProcessor(ctx.model_path)
+        thinker_cfg = read_config(ctx.model_path)["thinker_config"]
+        self.spatial_merge = int(thinker_cfg.get("vision_config", {}).get("spatial_merge_size", 2))
+        self.position_id_per_seconds = float(thinker_cfg.get("position_id_per_seconds", 25))
         self._feeds: dict[str, _TalkerFeed] = {}
         self._admitting: OmniPrompt | None = None
         self._speech = False
@@ -126,43 +146,58 @@ class ThinkerStage(ARLMStage):
             for seq in self.engine.requests.get(request.request_id, ()):
                 seq.prompt_cache_keys = prompt.cache_keys
         if wants_rows:
-            self._feeds[request.request_id] = _TalkerFeed(len(prompt.token_ids), prompt.media_mask)
+            self._feeds[request.request_id] = _TalkerFeed(len(prompt.token_ids), prompt.media_mask, prompt.positions)
 
     def _prompt(self, inputs: dict[str, Any]):
-        prompt = self.build_prompt(inputs.get("messages"), inputs.get("audio_embeds"), self._speech)
-        self._admitting = prompt
-        return prompt.token_ids, prompt.embeds, None
-
-    def build_prompt(self, messages: Any, audio_embeds: Any, speech: bool) -> OmniPrompt:
-        audios = (
-            []
-            if audio_embeds is None
-            else list(audio_embeds)
-            if isinstance(audio_embeds, (list, tuple))
-            else [audio_embeds]
+        prompt = self.build_prompt(
+            inputs.get("messages"), inputs.get("audio_embeds"), inputs.get("image_embeds"), self._speech
         )
+        self._admitting = prompt
+        return prompt.token_ids, prompt.embeds, prompt.positions
+
+    def build_prompt(self, messages: Any, audio_embeds: Any, image_embeds: Any, speech: bool) -> OmniPrompt:
+        audios = _as_list(audio_embeds)
+        images = _as_list(image_embeds)
+        if any(not isinstance(i, dict) or "embeds" not in i or "grid_thw" not in i for i in images):
+            raise InvalidRequestError("image_embeds entries need 'embeds' and 'grid_thw'", param="image_embeds")
+        image_rows = [i["embeds"] for i in images]
         text = self.processor.prompt_text(messages, speech=speech)
-        ids = self.processor.expand_audio(text, [int(a.shape[0]) for a in audios])
-        if not audios:
+        ids = self.processor.expand_media(
+            text, [int(a.shape[0]) for a in audios], [int(r.shape[0]) for r in image_rows]
+        )
+        if not audios and not images:
             return OmniPrompt(ids, None, None, None)
         hidden = self.engine.model.embed_tokens.weight.shape[1]
-        if any(a.dim() != 2 or a.shape[1] != hidden for a in audios):
-            raise InvalidRequestError(f"audio_embeds must be [tokens, {hidden}] tensors", param="audio_embeds")
+        if any(r.dim() != 2 or r.shape[1] != hidden for r in audios + image_rows):
+            raise InvalidRequestError(f"encoder embeddings must be [tokens, {hidden}] tensors", param="audio_embeds")
         ids_t = torch.tensor(ids, dtype=torch.long)
-        mask = ids_t == self.processor.audio_token_id
         table = self.engine.model.embed_tokens
         with torch.no_grad():
             embeds = table(ids_t.to(table.weight.device)).float().cpu()
-        embeds[mask] = torch.cat([a.float().cpu() for a in audios])
         keys = list(ids)
-        at = mask.nonzero().flatten().tolist()
-        offset = 0
-        for a in audios:
-            key = content_key(a)
-            for i in at[offset : offset + a.shape[0]]:
-                keys[i] = key
-            offset += a.shape[0]
-        return OmniPrompt(ids, embeds, mask, keys)
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        items = [
+            (self.processor.audio_token_id, audios, [None] * len(audios)),
+            (self.processor.image_token_id, image_rows, [i["grid_thw"] for i in images]),
+        ]
+        for token_id, rows, grids in items:
+            at = (ids_t == token_id).nonzero().flatten()
+            mask[at] = True
+            if rows:
+                embeds[at] = torch.cat([r.float().cpu() for r in rows])
+            offset = 0
+            for r, grid in zip(rows, grids):
+                key = content_key(r, grid)
+                for i in at[offset : offset + r.shape[0]].tolist():
+                    keys[i] = key
+                offset += r.shape[0]
+        positions = None
+        if images:
+            grids = [[int(x) for x in i["grid_thw"]] for i in images]
+            positions = mrope_positions(
+                ids, self.processor.image_token_id, grids, self.spatial_merge, self.position_id_per_seconds
+            )
+        return OmniPrompt(ids, embeds, mask, keys, positions)
 
     def abort(self, request_id: str) -> None:
         self._feeds.pop(request_id, None)
@@ -201,6 +236,8 @@ class ThinkerStage(ARLMStage):
             if start + n_prompt == feed.num_prompt:
                 chunk["prompt"] = torch.cat(feed.prompt_rows)
                 feed.prompt_rows = []
+                if feed.positions is not None:
+                    chunk["positions"] = feed.positions
         if n_prompt < rows.shape[0]:
             chunk["reply"] = rows[n_prompt:]
         return chunk or None

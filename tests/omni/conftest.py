@@ -37,8 +37,8 @@ def omni_gqa_ref(omni_gqa_dir):
 
 
 def reference_processor(path):
-    """transformers' Qwen2_5OmniProcessor; its torchvision-only video processor check is skipped
-    (the text and audio paths never use it)."""
+    """transformers' Qwen2_5OmniProcessor with its PIL image processor; its torchvision-only
+    video processor check is skipped (the text, audio and image paths never use it)."""
     from transformers import AutoTokenizer, WhisperFeatureExtractor
     from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessor
 
@@ -46,8 +46,14 @@ def reference_processor(path):
         def check_argument_for_proper_class(self, name, arg):
             return None if arg is None else super().check_argument_for_proper_class(name, arg)
 
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     tok = AutoTokenizer.from_pretrained(str(path))
-    return WithoutVideo(feature_extractor=WhisperFeatureExtractor.from_pretrained(str(path)), tokenizer=tok)
+    return WithoutVideo(
+        image_processor=Qwen2VLImageProcessorPil(),
+        feature_extractor=WhisperFeatureExtractor.from_pretrained(str(path)),
+        tokenizer=tok,
+    )
 
 
 def make_ctx(kind, model_dir, params=None, **batching):

@@ -12,6 +12,7 @@ def test_real_checkpoint_config_validates_with_a_two_gpu_placement():
     devices = {name: stage.pool.devices for name, stage in spec.stages.items()}
     assert devices == {
         "audio_encoder": ["cuda:0"],
+        "vision_encoder": ["cuda:0"],
         "thinker": ["cuda:0"],
         "talker": ["cuda:1"],
         "token2wav": ["cuda:1"],
@@ -25,5 +26,5 @@ def test_tiny_config_validates_and_a_bad_param_points_at_its_line():
     spec = load_pipeline("tiny-omni")
     assert [e for e in spec.edges if e.stream is not None and e.src.stage == "thinker" and e.dst.stage == "talker"]
     with pytest.raises(Exception) as err:
-        load_pipeline("tiny-omni", ["stages.talker.params.codec_prompt_embeds=maybe"])
-    assert "codec_prompt_embeds" in str(err.value) and "tiny-omni.yaml:" in str(err.value)
+        load_pipeline("tiny-omni", ["stages.talker.params.generate_compat=maybe"])
+    assert "generate_compat" in str(err.value) and "tiny-omni.yaml:" in str(err.value)

@@ -62,6 +62,20 @@ def test_audio_in_speech_out_equals_transformers(omni_pipeline, omni_dir, omni_r
     assert by_port["speech_info"][0]["usage"]["codec_tokens"] == len(codes)
 
 
+def test_image_and_audio_in_text_out_equals_transformers(omni_pipeline, omni_dir, omni_ref):
+    from transformers import AutoTokenizer
+
+    from .test_vision import _image, _png, reference_tokens
+
+    img, clip = _image(70, 98, 8), _clip(0.8, 9)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "audio"}, {"type": "text", "text": "Hm?"}]}]
+    tokens, _ = reference_tokens(omni_ref, omni_dir, messages, [img], [clip], False, N_TEXT)
+    inputs = {"messages": messages, "images": [_png(img)], "audio": [{"samples": clip, "sampling_rate": 16000}]}
+    out = omni_pipeline.run(inputs, _params(False), timeout=120)
+    assert out["text"] == AutoTokenizer.from_pretrained(str(omni_dir)).decode(tokens, skip_special_tokens=True)
+    assert out["info"]["usage"]["completion_tokens"] == N_TEXT
+
+
 def test_text_only_request_makes_no_speech(omni_pipeline, omni_dir, omni_ref):
     from transformers import AutoTokenizer
 

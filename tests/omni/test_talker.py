@@ -22,7 +22,7 @@ class _Captured(Exception):
     pass
 
 
-def reference_codes(model, model_dir, messages, clips, voice):
+def reference_codes(model, model_dir, messages, clips, voice, images=None):
     """transformers' codec tokens (up to the end token) two ways: (defined, generated).
 
     Both start from the talker inputs `Qwen2_5OmniForConditionalGeneration.generate()` builds
@@ -32,12 +32,14 @@ def reference_codes(model, model_dir, messages, clips, voice):
     the prompt when it gets the mask; defined: a greedy loop over the talker's forward given
     the mask (the model as defined), with generate()'s own logits processors."""
     text = OmniProcessor(model_dir).prompt_text(messages, speech=True)
-    kw = reference_processor(model_dir)(text=[text], audio=clips or None, return_tensors="pt")
+    kw = reference_processor(model_dir)(text=[text], audio=clips or None, images=images or None, return_tensors="pt")
     extra = (
         {"input_features": kw["input_features"], "feature_attention_mask": kw["feature_attention_mask"]}
         if clips
         else {}
     )
+    if images:
+        extra.update(pixel_values=kw["pixel_values"], image_grid_thw=kw["image_grid_thw"])
     talker = model.talker
     eos = [talker.codec_pad_token, talker.config.tts_codec_end_token_id]
     captured = {}
@@ -60,10 +62,14 @@ def reference_codes(model, model_dir, messages, clips, voice):
     finally:
         del talker.generate
     assert captured["attention_mask"] is not None and bool((captured["attention_mask"] == 1).all())
+    defined = _greedy_forward_loop(talker, captured, eos)
+    if images:  # transformers 5.24's generate() passes pixel_values on to the talker, which rejects them
+        with pytest.raises(ValueError, match="pixel_values"), torch.no_grad():
+            original(**{**captured, "inputs_embeds": captured["inputs_embeds"].clone()})
+        return defined, None
     with torch.no_grad():
         out = original(**{**captured, "inputs_embeds": captured["inputs_embeds"].clone()})
-    generated = _until_end(out[0, captured["input_ids"].shape[1] :].tolist(), eos)
-    return _greedy_forward_loop(talker, captured, eos), generated
+    return defined, _until_end(out[0, captured["input_ids"].shape[1] :].tolist(), eos)
 
 
 def _until_end(codes, eos):
@@ -87,7 +93,8 @@ def _greedy_forward_loop(talker, kw, eos):
     with torch.no_grad():
         out = talker(
             inputs_embeds=kw["inputs_embeds"].clone(), input_text_ids=kw["input_text_ids"], attention_mask=mask,
-            thinker_reply_part=kw["thinker_reply_part"], cache=cache, use_cache=True,
+            image_grid_thw=kw.get("image_grid_thw"), thinker_reply_part=kw["thinker_reply_part"], cache=cache,
+            use_cache=True,
         )  # fmt: skip
         codes = []
         for _ in range(N_CODES):
@@ -142,7 +149,7 @@ def test_streamed_talker_codes_equal_transformers(variant, mode, omni_dir, omni_
     model_dir = omni_dir if variant == "base" else omni_gqa_dir
     model = omni_ref if variant == "base" else load_reference(omni_gqa_dir)
     thinker = ThinkerStage(make_ctx("thinker", model_dir, max_num_batched_tokens=48))
-    talker = TalkerStage(make_ctx("talker", model_dir, params={"codec_prompt_embeds": mode == "defined"}))
+    talker = TalkerStage(make_ctx("talker", model_dir, params={"generate_compat": mode == "generated"}))
     expected = {}
     for i, (lengths, text, voice) in enumerate(CASES):
         clips = [_clip(s, 7 + i + j) for j, s in enumerate(lengths)]

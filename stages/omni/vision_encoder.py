@@ -1,0 +1,171 @@
+"""The `vision_encoder` stage: Qwen2.5-Omni's vision tower (images) as a dynamic-batch stage.
+
+A request carries one image or a list of them (encoded bytes, a path, a PIL image or an
+[H, W, 3] uint8 array); its output `image_embeds` is a list with one entry per image, in
+order: {"embeds": [tokens, hidden], "grid_thw": [t, h, w]} (the patch grid, which the thinker
+needs for the placeholder count and the 3-D positions).
+
+Pixels are prepared with transformers' PIL-based Qwen2-VL image processor (resize to a
+multiple of patch x merge within the pixel budget, normalise, cut into patches): it needs no
+torchvision. The forward packs every image of every batched request into one call: the tower
+attends within each image (window and full attention over per-image sequence offsets), so a
+packed batch gives each image exactly what it gets alone.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stages.base import Port, StageContext, StageRequest
+from omnistage.stages.dynamic import PreparedBatchEngine
+from omnistage.stages.omni.checkpoint import load_submodule, read_config
+from omnistage.stages.params import Param, ParamSet
+from omnistage.stages.registry import register_stage
+
+STAGE_PARAMS = ParamSet(
+    "vision_encoder",
+    (
+        Param("weight_prefix", "string", "thinker.visual.", "Where the vision tower's weights live."),
+        Param(
+            "min_pixels",
+            "integer",
+            None,
+            "Smallest image area after resizing (default: the checkpoint's preprocessor config, else 56*56).",
+            minimum=1,
+            nullable=True,
+        ),
+        Param(
+            "max_pixels",
+            "integer",
+            None,
+            "Largest image area after resizing (default: the checkpoint's preprocessor config, else 28*28*1280).",
+            minimum=1,
+            nullable=True,
+        ),
+    ),
+)
+
+
+def load_image(value: Any):
+    """An RGB PIL image from bytes, a path, a PIL image or an [H, W, 3] uint8 array."""
+    from PIL import Image
+
+    try:
+        if isinstance(value, Image.Image):
+            img = value
+        elif isinstance(value, (bytes, bytearray)):
+            img = Image.open(io.BytesIO(value))
+        elif isinstance(value, (str, Path)):
+            img = Image.open(value)
+        elif isinstance(value, (np.ndarray, torch.Tensor)):
+            img = Image.fromarray(np.asarray(value, dtype=np.uint8))
+        else:
+            raise InvalidRequestError(f"an image cannot be a {type(value).__name__}", param="images")
+        img.load()
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - undecodable input is the request's fault
+        raise InvalidRequestError(f"could not read the image ({exc.__class__.__name__})", param="images") from None
+    return img.convert("RGB")
+
+
+class ImagePatcher:
+    """transformers' PIL Qwen2-VL image processor with the tower's patch geometry."""
+
+    def __init__(self, vision_config: dict[str, Any], min_pixels: int, max_pixels: int):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.processor = Qwen2VLImageProcessorPil(
+            patch_size=vision_config.get("patch_size", 14),
+            temporal_patch_size=vision_config.get("temporal_patch_size", 2),
+            merge_size=vision_config.get("spatial_merge_size", 2),
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        )
+
+    def __call__(self, image) -> tuple[torch.Tensor, list[int]]:
+        out = self.processor(images=[image], return_tensors="pt")
+        return out["pixel_values"], [int(x) for x in out["image_grid_thw"][0]]
+
+
+def _preprocessor_config(model_dir) -> dict[str, Any]:
+    import json
+
+    path = Path(model_dir) / "preprocessor_config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def build_vision_tower(model_dir: str, prefix: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import Qwen2_5OmniVisionEncoderConfig
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniVisionEncoder
+
+    raw = read_config(model_dir)["thinker_config"]["vision_config"]
+    config = Qwen2_5OmniVisionEncoderConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    tower = Qwen2_5OmniVisionEncoder(config)
+    return load_submodule(tower, model_dir, prefix).to(device=device, dtype=dtype)
+
+
+def encode_images(tower: torch.nn.Module, patches: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
+    """One packed forward: one [tokens, hidden] tensor per image."""
+    weight = next(tower.parameters())
+    packed = torch.cat(patches).to(device=weight.device, dtype=weight.dtype)
+    grid = torch.tensor(grids, dtype=torch.long, device=weight.device)
+    with torch.inference_mode():
+        out = tower(packed, grid_thw=grid).pooler_output
+    sizes = (grid.prod(-1) // tower.spatial_merge_size**2).tolist()
+    return list(torch.split(out, sizes))
+
+
+@register_stage("vision_encoder")
+class VisionEncoderStage(PreparedBatchEngine):
+    inputs = {"images": Port("image")}
+    outputs = {"image_embeds": Port("embeddings")}
+    needs_model = True
+    stage_params = STAGE_PARAMS
+    prepare_errors = (InvalidRequestError,)
+
+    def __init__(self, ctx: StageContext):
+        super().__init__(ctx)
+        if ctx.model_path is None:
+            raise ValueError("vision_encoder needs a Qwen2.5-Omni model")
+        params = STAGE_PARAMS.validate(ctx.params)
+        vision_config = read_config(ctx.model_path)["thinker_config"]["vision_config"]
+        pre = _preprocessor_config(ctx.model_path)
+        min_pixels = params["min_pixels"] or pre.get("min_pixels") or 56 * 56
+        max_pixels = params["max_pixels"] or pre.get("max_pixels") or 28 * 28 * 1280
+        self.patcher = ImagePatcher(vision_config, min_pixels, max_pixels)
+        self.tower = build_vision_tower(str(ctx.model_path), params["weight_prefix"], ctx.device, ctx.dtype)
+
+    def prepare(self, request: StageRequest) -> tuple[list[tuple[torch.Tensor, list[int]]], Hashable]:
+        images = request.inputs.get("images")
+        if images is None:  # a request without images: nothing to encode
+            return [], None
+        items = images if isinstance(images, list) else [images]
+        return [self.patcher(load_image(x)) for x in items], None
+
+    def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
+        # Entries stay until the forward succeeds: a failed batch is retried request by request.
+        parsed = [self._parsed[r.request_id] for r in requests]
+        try:
+            ok = [p for p in parsed if not isinstance(p, BaseException)]
+            items = [item for p in ok for item in p[0]]
+            embeds = iter(encode_images(self.tower, [i[0] for i in items], [i[1] for i in items]) if items else [])
+            results: list[Any] = []
+            for p in parsed:
+                if isinstance(p, BaseException):
+                    results.append(p)
+                else:
+                    results.append({"image_embeds": [{"embeds": next(embeds), "grid_thw": grid} for _, grid in p[0]]})
+        finally:
+            if len(requests) == 1:
+                self._parsed.pop(requests[0].request_id, None)
+        for r in requests:
+            self._parsed.pop(r.request_id, None)
+        return results
