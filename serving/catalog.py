@@ -23,13 +23,11 @@ _EXAMPLE_MESSAGES = [{"role": "user", "content": "Hello"}]
 
 def request_params_of(kind: str) -> tuple[list[dict[str, Any]], bool]:
     """(declared per-request params of a stage kind, whether undeclared keys are accepted)."""
-    try:
-        from omnistage.stages.params import kind_params
-    except ImportError:  # the declarations module is not in this build
-        return [], True
+    from omnistage.stages.params import kind_params
+
     try:
         request = kind_params(kind).request
-    except KeyError:
+    except KeyError:  # a kind that is not registered (a pipeline added as a built object)
         return [], True
     return request.describe(), bool(request.open)
 

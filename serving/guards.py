@@ -55,7 +55,7 @@ class HostPolicy:
     """Which Host values a server answers. `None` from `for_bind` means: any."""
 
     def __init__(self, allowed: Iterable[str] = ()):
-        self.allowed = tuple(a.strip().lower() for a in allowed if a.strip())
+        self.allowed = tuple(host_name(a) for a in allowed if a.strip())  # a port given with a name is ignored
 
     @classmethod
     def for_bind(cls, bind_host: str, allowed: Iterable[str] = ()) -> HostPolicy | None:
