@@ -145,6 +145,7 @@ class ThinkerStage(ARLMStage):
         if prompt.cache_keys is not None:
             for seq in self.engine.requests.get(request.request_id, ()):
                 seq.prompt_cache_keys = prompt.cache_keys
+                seq.prompt_penalty_ids = prompt.token_ids  # transformers penalises the placeholder ids too
         if wants_rows:
             self._feeds[request.request_id] = _TalkerFeed(len(prompt.token_ids), prompt.media_mask, prompt.positions)
 

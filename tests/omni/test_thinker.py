@@ -128,3 +128,34 @@ def test_prefix_cache_is_keyed_by_audio_content(omni_dir):
     again_x, cached_x, _ = _answer(stage, "x2", omni_dir, x)
     assert again_x == first_x
     assert cached_x >= n_prompt - 8  # the whole prompt but its last partial block came from the cache
+
+
+def test_repetition_penalty_counts_the_prompt_as_transformers_does(omni_dir, omni_ref):
+    """With audio the prompt is given as embeddings; its token ids (placeholders included) still
+    count for the repetition penalty, as transformers' input_ids do."""
+    stage = ThinkerStage(make_ctx("thinker", omni_dir))
+    expected, plain = {}, {}
+    for i, words in enumerate(["the the the", "a b c d e f", "Hello, hello!", "1 2 3 4 5 6 7"]):
+        clip = _clip(0.5 + 0.2 * i, 40 + i)
+        messages = _messages(1, f"Repeat after me: {words}")
+        text = OmniProcessor(omni_dir).prompt_text(messages, speech=False)
+        kw = reference_processor(omni_dir)(text=[text], audio=[clip], return_tensors="pt")
+        kw.pop("num_audio_tokens", None)
+        n = kw["input_ids"].shape[1]
+        with torch.no_grad():
+            for out, penalty in ((expected, 3.0), (plain, 1.0)):
+                seq = omni_ref.thinker.generate(
+                    **kw, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, repetition_penalty=penalty
+                )
+                out[f"p{i}"] = seq[0, n:].tolist()
+        params = {
+            "temperature": 0,
+            "max_tokens": NEW,
+            "ignore_eos": True,
+            "return_audio": False,
+            "repetition_penalty": 3.0,
+        }
+        stage.add(StageRequest(f"p{i}", {"messages": messages, "audio_embeds": _embeds(omni_dir, [clip])}, params))
+    got = {rid: [t for e in ems for t in e.outputs.get("tokens", [])] for rid, ems in run_stage(stage).items()}
+    assert got == expected
+    assert expected != plain  # the penalty changes these answers
