@@ -22,8 +22,6 @@ from safetensors import safe_open
 from omnistage.stages.ar.loader import checkpoint_files
 
 SAMPLE_RATE = 24_000
-# A key column the DiT's block mask always rejects (it accepts differences within one block).
-_MASKED = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -76,17 +74,39 @@ def rk4_solve(velocity, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _block_diff(lengths: list[int], block: int, device: torch.device) -> torch.Tensor:
-    """[b, 1, L, L] block differences (key block - query block) of windows padded to L; a real
-    query's padded keys get a value the mask rejects, padded queries see everything."""
+def _attention_masks(dit, lengths: list[int], device: torch.device) -> dict[tuple[int, int], torch.Tensor]:
+    """Additive attention masks [b, 1, L, L] of windows padded to L, one per (blocks back,
+    blocks ahead) reach among the DiT's layers, built once per batch. A real query never sees
+    a padded key; padded queries see everything (their rows stay finite and are dropped)."""
     longest = max(lengths)
-    blocks = torch.arange(longest, device=device) // block
-    base = blocks[None, :] - blocks[:, None]
-    out = base.repeat(len(lengths), 1, 1)
+    blocks = torch.arange(longest, device=device) // dit.block_size
+    diff = blocks[None, :] - blocks[:, None]  # key block - query block
+    padded = torch.zeros(len(lengths), longest, longest, dtype=torch.bool, device=device)
     for i, n in enumerate(lengths):
-        out[i, :n, n:] = _MASKED
-        out[i, n:, :] = 0
-    return out.unsqueeze(1)
+        padded[i, :n, n:] = True
+        padded[i, n:, :] = False
+    masks = {}
+    for layer in dit.transformer_blocks:
+        reach = (layer.look_backward_block, layer.look_ahead_block)
+        if reach not in masks:
+            allowed = (diff >= -reach[0]) & (diff <= reach[1])
+            allowed = (allowed[None] & ~padded) | _padded_rows(lengths, longest, device)
+            masks[reach] = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
+    return masks
+
+
+def _padded_rows(lengths: list[int], longest: int, device: torch.device) -> torch.Tensor:
+    rows = torch.arange(longest, device=device)[None, :] >= torch.tensor(lengths, device=device)[:, None]
+    return rows[:, :, None].expand(len(lengths), longest, longest)
+
+
+def _decoder_layer(layer, h, time_embedding, position_embeddings, mask) -> torch.Tensor:
+    """One `DiTDecoderLayer` with a precomputed attention mask: the layer derives its mask from
+    block differences on every call, which cost more than its attention on CPU."""
+    norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(h, emb=time_embedding)
+    h = h + gate_msa.unsqueeze(1) * layer.attn(norm, position_embeddings=position_embeddings, attention_mask=mask)
+    norm = layer.ff_norm(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+    return h + gate_mlp.unsqueeze(1) * layer.ff(norm)
 
 
 class Token2WavNet:
@@ -140,7 +160,7 @@ class Token2WavNet:
             "spk_vec": vec[:, None, :].expand(rows, longest, -1),
         }
 
-    def _dit_forward(self, x, t, cond, position_embeddings, block_diff) -> torch.Tensor:
+    def _dit_forward(self, x, t, cond, position_embeddings, masks) -> torch.Tensor:
         dit = self.dit
         rows = cond["code_embed"].shape[0]
         time_embedding = dit.time_embed(t.reshape(1).repeat(rows))
@@ -148,7 +168,8 @@ class Token2WavNet:
             x = torch.cat([x, x])
         h = dit.input_embed.proj(torch.cat((x, cond["spk_vec"], cond["code_embed"], cond["speaker"]), dim=-1))
         for layer in dit.transformer_blocks:
-            h = layer(h, time_embedding, position_embeddings=position_embeddings, block_diff=block_diff)
+            mask = masks[(layer.look_backward_block, layer.look_ahead_block)]
+            h = _decoder_layer(layer, h, time_embedding, position_embeddings, mask)
         return dit.proj_out(dit.norm_out(h, time_embedding))
 
     @torch.no_grad()
@@ -167,12 +188,11 @@ class Token2WavNet:
             x[i, : lengths[i]] = w.noise.to(self.device)
         positions = torch.arange(longest, device=self.device)[None, :].repeat(rows, 1)
         position_embeddings = self.dit.rotary_embed(x, positions)
-        block_diff = _block_diff(lengths * (2 if cfg else 1), self.block_frames, self.device)
-        block_diff = block_diff.expand(rows, self.dit.num_attention_heads, longest, longest)
+        masks = _attention_masks(self.dit, lengths * (2 if cfg else 1), self.device)
         scale = settings.guidance_scale
 
         def velocity(t, state):
-            out = self._dit_forward(state, t, cond, position_embeddings, block_diff)
+            out = self._dit_forward(state, t, cond, position_embeddings, masks)
             if not cfg:
                 return out
             guided, null = torch.chunk(out, 2, dim=0)
