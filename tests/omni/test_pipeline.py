@@ -100,3 +100,27 @@ def test_first_audio_leaves_before_the_thinker_finishes(omni_pipeline):
     last_text = max(t for port, data, t in chunks if port == "text" and data)
     print(f"first text {first_text - t0:.2f} s, first audio {first_audio - t0:.2f} s, last text {last_text - t0:.2f} s")
     assert first_audio < last_text
+
+
+def test_cancel_mid_speech_frees_both_kv_pools(omni_pipeline):
+    """Leaving the stream early (after the first audio) aborts the request in every stage:
+    thinker and talker give back every KV block and hold no request."""
+
+    async def first_audio_then_leave():
+        params = _params(True, "Ethan", max_tokens=3000)
+        params["talker"].update(min_tokens=100, max_tokens=2000)
+        async for c in omni_pipeline.stream({"messages": _messages(0, "Talk for a while.")}, params):
+            if c.port == "audio" and c.data is not None and np.size(c.data):
+                return True
+        return False
+
+    assert asyncio.run(first_audio_then_leave())
+    deadline = time.monotonic() + 30
+    while True:
+        stats = omni_pipeline.stage_stats()
+        freed = all(stats[s]["kv_blocks_free"] == stats[s]["kv_blocks_total"] for s in ("thinker", "talker"))
+        idle = all(stats[s]["requests_live"] == 0 for s in ("thinker", "talker"))
+        if freed and idle:
+            break
+        assert time.monotonic() < deadline, {s: stats[s] for s in ("thinker", "talker")}
+        time.sleep(0.2)
