@@ -68,3 +68,23 @@ def test_windowed_mel_at_default_context(omni_dir):
     # more context moves it to float32 rounding
     mel_wide, _ = windowed(net, codes, voice, 8, WindowSettings(past_blocks=3, future_blocks=2))
     assert snr_db(mel_wide, full_mel) >= 120
+
+
+def test_padded_window_batch_equals_solo_mels(omni_dir):
+    """Windows of different lengths and voices in one forward: each mel is its solo mel (the
+    waveform's input normalisation clips, so the mel is the sharper check)."""
+    from omnistage.stages.omni.token2wav_model import DitWindow, OdeSettings, load_token2wav
+
+    net = load_token2wav(str(omni_dir), torch.device("cpu"))
+    g = torch.Generator().manual_seed(6)
+    windows = [
+        DitWindow(
+            torch.randint(0, net.num_codes, (n,), generator=g), torch.randn(2 * n, 80, generator=g), net.voices[v]
+        )
+        for n, v in ((84, "Chelsie"), (30, "Ethan"), (61, "Ethan"))
+    ]
+    together = net.sample_mels(windows, OdeSettings())
+    for window, mel in zip(windows, together):
+        alone = net.sample_mels([window], OdeSettings())[0]
+        assert mel.shape == alone.shape == (window.noise.shape[0], 80)
+        assert (mel - alone).abs().max() <= 1e-4 * alone.abs().max()
