@@ -17,8 +17,6 @@ import time
 import httpx
 import pytest
 
-from ..serving.conftest import start_server
-
 PROMPT = "Once upon a time"
 PARAMS = {"llm": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}}
 INPUTS = {"prompt": PROMPT, "messages": None, "tokens": None}
@@ -61,16 +59,6 @@ def test_in_process_stream_arrives_during_generation(pipeline):
 
     start, seen = asyncio.run(collect())
     assert_streamed(start, [t for t, _ in seen], [d for _, d in seen], list(whole["tokens"]))
-
-
-@pytest.fixture(scope="module")
-def llm_server(tmp_path_factory):
-    server = start_server(["tiny-llm"], tmp_path_factory.mktemp("serve-llm") / "server.log")
-    try:
-        server.wait_ready(timeout=180)
-        yield server
-    finally:
-        server.stop()
 
 
 def test_sse_events_arrive_during_generation(llm_server):
