@@ -104,11 +104,13 @@ def test_first_audio_leaves_before_the_thinker_finishes(omni_pipeline):
 
 def test_cancel_mid_speech_frees_both_kv_pools(omni_pipeline):
     """Leaving the stream early (after the first audio) aborts the request in every stage:
-    thinker and talker give back every KV block and hold no request."""
+    thinker and talker give back every KV block, hold no request, and the talker stopped
+    (it was asked for at least 3000 codec tokens)."""
+    before = omni_pipeline.stage_stats()["talker"]["generated_tokens"]
 
     async def first_audio_then_leave():
         params = _params(True, "Ethan", max_tokens=3000)
-        params["talker"].update(min_tokens=100, max_tokens=2000)
+        params["talker"].update(min_tokens=3000, max_tokens=3000)
         async for c in omni_pipeline.stream({"messages": _messages(0, "Talk for a while.")}, params):
             if c.port == "audio" and c.data is not None and np.size(c.data):
                 return True
@@ -124,3 +126,4 @@ def test_cancel_mid_speech_frees_both_kv_pools(omni_pipeline):
             break
         assert time.monotonic() < deadline, {s: stats[s] for s in ("thinker", "talker")}
         time.sleep(0.2)
+    assert stats["talker"]["generated_tokens"] - before < 3000
