@@ -5,7 +5,7 @@ non-streaming edge works too). Output `audio` (streaming): float32 mono waveform
 24 kHz, in order; their concatenation is the request's speech.
 
 Each step gathers the DiT windows that are ready across requests (oldest request first, one
-window each before any request gets a second; windows of different voices, lengths and
+window per request, or up to `windows_per_request`; windows of different voices, lengths and
 requests share one padded forward), solves their ODE together, then vocodes every request's
 newly final mel frames and emits the audio. A request waiting for codes holds nobody up: it
 simply has no ready window. See docs/omni.md ("token2wav") for the window rules.
@@ -42,6 +42,7 @@ PARAMS: dict[str, tuple[tuple[type, ...], float | None, str]] = {
     "guidance_scale": (_NUM, 0, "both"),
     "sway_coefficient": (_NUM, None, "both"),
     "max_codes": (_INT, 1, "stage"),
+    "windows_per_request": (_INT, 1, "stage"),
     "end_codes": ((list, tuple), None, "stage"),
     "weight_prefix": ((str,), None, "stage"),
     "voices_file": ((str,), None, "stage"),
@@ -113,6 +114,7 @@ class Token2WavStage(StageEngine):
         self.max_codes = int(p.get("max_codes", 16384))
         self.end_codes = set(p.get("end_codes", ()))
         self.max_windows = max(1, int(getattr(ctx.batching, "max_batch_size", 8) or 8))
+        self.windows_per_request = int(p.get("windows_per_request", 1))
         self.requests: dict[str, Token2WavRequest] = {}
         self._pending: list[Emission] = []
         self.totals = {"forwards": 0, "windows": 0, "max_windows_per_forward": 0, "audio_seconds": 0.0}
@@ -206,31 +208,28 @@ class Token2WavStage(StageEngine):
     # -- stepping -------------------------------------------------------------------------
     def _pick_windows(self) -> list[tuple[Token2WavRequest, Span, Any]]:
         """Ready DiT windows for one forward: oldest request first, one window per request per
-        round, all with the first pick's ODE settings, at most max_batch_size windows. A request
-        without audio yet sends only its first window (a small forward: low first-audio latency)."""
+        round for up to `windows_per_request` rounds, all with the first pick's ODE settings, at
+        most max_batch_size windows. A request without audio yet sends only its first window
+        (a small forward: low first-audio latency)."""
         block = self.net.block_frames
         queue = sorted(self.requests.values(), key=lambda s: s.arrival)
         cursor = {s.request_id: s.written for s in queue}
         picked: list[tuple[Token2WavRequest, Span, Any]] = []
         ode = None
-        first_round = True
-        while len(picked) < self.max_windows:
-            added = False
+        for round_ in range(self.windows_per_request):
+            before = len(picked)
             for state in queue:
                 if len(picked) >= self.max_windows or (ode is not None and state.ode != ode):
                     continue
-                if not first_round and state.written == 0:
+                if round_ and state.written == 0:
                     continue
                 nxt = state.next_window(block, after=cursor[state.request_id])
-                if nxt is None:
-                    continue
-                ode = state.ode
-                picked.append((state, *nxt))
-                cursor[state.request_id] = nxt[0].end
-                added = True
-            if not added:
+                if nxt is not None:
+                    ode = state.ode
+                    picked.append((state, *nxt))
+                    cursor[state.request_id] = nxt[0].end
+            if len(picked) == before:
                 break
-            first_round = False
         return picked
 
     def step(self) -> list[Emission]:

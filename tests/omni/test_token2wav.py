@@ -84,12 +84,15 @@ def test_windows_of_several_requests_share_forwards_and_equal_solo(ckpt):
         "c": (codes_of(45, 13), {"voice": "Ethan", "seed": 3, "mode": "full"}),
         "d": (codes_of(100, 14), {"speaker": "Chelsie", "seed": 4, "past_blocks": 3, "future_blocks": 2}),
     }
-    stage = make_stage(ckpt, max_batch_size=8)
+    stage = make_stage(ckpt, params={"windows_per_request": 3}, max_batch_size=8)
     together, errors = decode(stage, requests)  # all codes at once: every request has windows ready
     assert not errors
     shared = [rec for rec in stage.step_log if len(set(rec.request_ids)) == 4]
     assert shared, [rec.request_ids for rec in stage.step_log]
-    assert stage.totals["max_windows_per_forward"] >= 4
+    # first forward: each request's first window; second: the other 6 (a 1, b 3, d 2; c is done)
+    assert [len(rec.request_ids) for rec in stage.step_log] == [4, 6]
+    # several windows of one request in a forward, but never before its first audio
+    assert any(len(set(rec.request_ids)) < len(rec.request_ids) for rec in stage.step_log)
     for rid, req in requests.items():
         alone, _ = decode(make_stage(ckpt), {rid: req}, chunk=9)
         assert together[rid].shape == alone[rid].shape == (len(req[0]) * 480,)
