@@ -91,3 +91,25 @@ def test_bad_request_fails_alone(pipeline):
         pipeline.run({"codes": [1, 2, CODEC_VOCAB + 5]}, {"t2w": {}}, timeout=120)
     out = pipeline.run({"codes": codes_of(30, 2)}, {"t2w": {"seed": 4}}, timeout=120)
     assert out["audio"].shape == (30 * 480,)
+
+
+def test_bad_stage_params_fail_validation_with_positions(tmp_path):
+    from omnistage.graph.loader import PipelineValidationError, load_pipeline
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        YAML.replace(
+            "    pool: {threads: 1}\n",
+            "    pool: {threads: 1}\n    params: {past_blocks: -1, mode: fast, colour: red}\n",
+        )
+    )
+    with pytest.raises(PipelineValidationError) as info:
+        load_pipeline(str(path))
+    text = str(info.value)
+    for expected in (
+        "past_blocks must be >= 0",
+        "mode must be one of stream, full",
+        "unknown token2wav stage param 'colour'",
+    ):
+        assert expected in text
+    assert f"{path}:" in text
