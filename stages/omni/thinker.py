@@ -54,7 +54,19 @@ STAGE_PARAMS = ParamSet(
 )
 REQUEST_PARAMS = AR_REQUEST_PARAMS.extended(
     "thinker request",
-    (Param("return_audio", "boolean", True, "The answer will be spoken: speech system prompt, talker_embeds."),),
+    (
+        Param("return_audio", "boolean", True, "The answer will be spoken: speech system prompt, talker_embeds."),
+        Param(
+            "modalities",
+            "string_list",
+            None,
+            'OpenAI-style output modalities: ["text"] or ["text", "audio"]; wins over return_audio.',
+            nullable=True,
+            check=lambda v: (
+                None if set(v) <= {"text", "audio"} and "text" in v else 'must be ["text"] or ["text", "audio"]'
+            ),
+        ),
+    ),
 )
 _LAST_LAYER = -1
 
@@ -133,9 +145,8 @@ class ThinkerStage(ARLMStage):
     # -- admission -------------------------------------------------------------------------
     def _admit(self, request) -> None:
         params = dict(request.params)
-        speech = params.pop("return_audio", True)
-        if not isinstance(speech, bool):
-            raise InvalidRequestError("return_audio must be a boolean", param="return_audio")
+        own = REQUEST_PARAMS.validate({k: params.pop(k) for k in ("return_audio", "modalities") if k in params})
+        speech = own["return_audio"] if own["modalities"] is None else "audio" in own["modalities"]
         wants_rows = speech and self.talker_output
         if wants_rows:  # a unique salt: no prefix-cache hits, every prompt row is computed
             params["cache_salt"] = f"{params.get('cache_salt') or ''}\0talker:{request.request_id}"

@@ -159,3 +159,21 @@ def test_repetition_penalty_counts_the_prompt_as_transformers_does(omni_dir, omn
     got = {rid: [t for e in ems for t in e.outputs.get("tokens", [])] for rid, ems in run_stage(stage).items()}
     assert got == expected
     assert expected != plain  # the penalty changes these answers
+
+
+def test_output_modalities_choose_speech_rows_and_bad_values_are_the_requests_fault(omni_dir):
+    stage = ThinkerStage(make_ctx("thinker", omni_dir))
+    base = {"temperature": 0, "max_tokens": 3}
+    stage.add(StageRequest("t", {"messages": _messages(0, "Hi")}, {**base, "modalities": ["text"]}))
+    stage.add(
+        StageRequest(
+            "a", {"messages": _messages(0, "Hi")}, {**base, "modalities": ["text", "audio"], "return_audio": False}
+        )
+    )
+    stage.add(StageRequest("bad", {"messages": _messages(0, "Hi")}, {**base, "modalities": ["video"]}))
+    stage.add(StageRequest("bad2", {"messages": _messages(0, "Hi")}, {**base, "return_audio": "yes"}))
+    got = run_stage(stage)
+    assert not any("talker_embeds" in e.outputs for e in got["t"])
+    assert any("talker_embeds" in e.outputs for e in got["a"])
+    assert got["bad"][-1].error_kind == "invalid_request" and got["bad"][-1].param == "modalities"
+    assert got["bad2"][-1].error_kind == "invalid_request" and got["bad2"][-1].param == "return_audio"
