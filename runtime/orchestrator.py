@@ -46,7 +46,7 @@ from omnistage.runtime.messages import (
     recv_msg,
 )
 from omnistage.runtime.recovery import Recovery
-from omnistage.runtime.replicas import Replica, ReplicaState, WorkerProcesses, mp_context, without_main_reimport  # noqa: F401 - bench/runtime.py
+from omnistage.runtime.replicas import Replica, ReplicaState, WorkerProcesses
 from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
 from omnistage.runtime.shm import (
     SegmentPool,
@@ -57,8 +57,6 @@ from omnistage.runtime.shm import (
 )
 
 log = logging.getLogger("omnistage.runtime")
-
-_without_main_reimport = without_main_reimport  # the name bench/runtime.py imports
 
 
 class Orchestrator:
