@@ -49,6 +49,10 @@ PIPELINE = {
     "stages": Field("mapping", "Stages by name: {name: {kind, model, pool, batching, params}}.", required=True),
     "edges": Field("list", "Connections: [{from: stage.port, to: stage.port, stream, max_inflight}].", required=True),
     "limits": Field("mapping", "Admission control: {max_queued_requests, deadline_s}."),
+    "serves": Field(
+        "mapping",
+        "OpenAI API families served (chat, completions, images, speech): {family: {role: port, params: [stage]}}.",
+    ),
 }
 
 STAGE = {

@@ -12,6 +12,7 @@ from typing import Any
 
 from omnistage.graph import fields as F
 from omnistage.graph.inputs import TENSOR_DTYPES
+from omnistage.graph.serves import json_schema as serves_schema
 from omnistage.stages.contracts import PORT_TYPES
 
 _ENV_REF = {
@@ -154,6 +155,7 @@ def json_schema() -> dict[str, Any]:
             },
             "edges": {"type": "array", "description": F.PIPELINE["edges"].doc, "items": {"$ref": "#/$defs/edge"}},
             "limits": _object(F.LIMITS, {}),
+            "serves": serves_schema(),
         },
     )
     return {

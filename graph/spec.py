@@ -137,6 +137,8 @@ class PipelineSpec:
     default_deadline_s: float | None = None
     # inputs declared with a shape/dtype (graph/inputs.py TensorSpec), checked at admission
     input_tensors: dict[str, Any] = field(default_factory=dict)
+    # API family -> omnistage.graph.serves.ServeSpec (the `serves:` section)
+    serves: dict[str, Any] = field(default_factory=dict)
 
     # Edge queries: the runtime keys edge permits and reader slots by an edge's index in
     # `edges`, so the index forms are the primary ones.

@@ -9,6 +9,7 @@ from omnistage.graph import fields as F
 from omnistage.graph.checks import Report, did_you_mean
 from omnistage.graph.inputs import TensorSpec, parse_port
 from omnistage.graph.nodes import MapNode, Node, Problem, ScalarNode, broken_positions, describe
+from omnistage.graph.serves import check_serves
 from omnistage.graph.spec import PipelineSpec, SourcePos
 from omnistage.graph.stages_check import StageInfo, check_stage
 from omnistage.graph.wiring import PipelinePorts, check_edges, check_wiring
@@ -55,6 +56,9 @@ def build_spec(root: Node, file: str, source: Path | None, problems: list[Proble
     edges = check_edges(root.get("edges"), report) if root.get("edges") is not None else []
     outputs_at = root.key_pos.get("outputs", top)
     check_wiring(stages, ports, edges, report, outputs_at)
+    serves = {}
+    if root.get("serves") is not None:
+        serves = check_serves(root.get("serves"), inputs or {}, outputs or {}, set(stages), report)
 
     if report:
         return None
@@ -69,6 +73,7 @@ def build_spec(root: Node, file: str, source: Path | None, problems: list[Proble
         max_queued_requests=max_queued,
         default_deadline_s=deadline,
         input_tensors=input_tensors,
+        serves=serves,
     )
 
 

@@ -1,4 +1,5 @@
-"""/v1/models in the OpenAI list format: one model per hosted pipeline."""
+"""/v1/models in the OpenAI list format: one model per hosted pipeline, with the API families
+it serves (its YAML's `serves:`) and their input/output modalities."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ router = APIRouter(tags=["models"])
 
 
 def _model_card(entry) -> dict:
+    spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+    serves = getattr(spec, "serves", None) or {}
     return {
         "id": entry.name,
         "object": "model",
         "created": entry.created,
         "owned_by": "omnistage",
         "ready": entry.is_ready(),
+        "serves": list(serves),
+        "modalities": {family: s.modalities for family, s in serves.items()},
     }
 
 

@@ -147,7 +147,16 @@ def test_cli_schema_prints_the_schema(capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(json.dumps(json_schema()))
     assert printed["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert set(printed["properties"]) == {"name", "description", "inputs", "outputs", "stages", "edges", "limits"}
+    assert set(printed["properties"]) == {
+        "name",
+        "description",
+        "inputs",
+        "outputs",
+        "stages",
+        "edges",
+        "limits",
+        "serves",
+    }
 
 
 def test_load_pipeline_text_and_lazy_package_exports():
