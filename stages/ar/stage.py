@@ -22,6 +22,7 @@ from omnistage.stages.ar.config import SAMPLING_PARAMS, SamplingParams
 from omnistage.stages.ar.requests import embeddings_input, tokens_input
 from omnistage.stages.ar.text import OutputText, TextTokenizer, check_text, normalize_stop
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
+from omnistage.stages.contracts import error_emission
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
@@ -186,11 +187,7 @@ class ARLMStage(StageEngine):
             self._admit(request)
         except InvalidRequestError as err:
             self._live.pop(request.request_id, None)
-            self._pending.append(
-                Emission(
-                    request.request_id, finished=True, error=str(err), error_kind="invalid_request", param=err.param
-                )
-            )
+            self._pending.append(error_emission(request.request_id, err))
 
     def abort(self, request_id: str) -> None:
         if self._live.pop(request_id, None) is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageEngine, StageRequest
+from omnistage.stages.contracts import error_emission
 from omnistage.stages.diffusion.adapters.base import (
     GENERATION_PARAMS,
     LOADING_PARAMS,
@@ -123,13 +124,8 @@ class DenoiserStage(StageEngine):
             if self.engine.state(rid) is not None:
                 raise ValueError(f"request {rid!r} is already denoising")
             state = self.adapter.prepare(rid, params, text)
-        except InvalidRequestError as exc:
-            self._errors.append(
-                Emission(rid, error=str(exc), error_kind="invalid_request", finished=True, param=exc.param)
-            )
-            return
-        except Exception as exc:  # noqa: BLE001
-            self._errors.append(Emission(rid, error=f"{type(exc).__name__}: {exc}", finished=True))
+        except Exception as exc:  # noqa: BLE001 - this request fails alone (invalid: 400, else 500)
+            self._errors.append(error_emission(rid, exc))
             return
         self.engine.add(state)
 
