@@ -15,8 +15,8 @@ from omnistage.stages.diffusion.limits import stage_limits
 
 log = logging.getLogger("omnistage.serving")
 
-# Example values by input port type. Ports without one (tensors: their shape is the stage's)
-# are left out of the example; a pipeline with none of these gets no example.
+# Example values by input port type; tensor inputs get zeros of their declared shape, and a
+# pipeline with neither gets no example.
 _EXAMPLE_BY_TYPE: dict[str, Any] = {"text": "Hello", "tokens": [1, 2, 3]}
 _EXAMPLE_MESSAGES = [{"role": "user", "content": "Hello"}]
 
@@ -39,7 +39,21 @@ def _example_request(spec: Any) -> dict[str, Any] | None:
             return {"inputs": {port: _EXAMPLE_MESSAGES}}
         if port_type in _EXAMPLE_BY_TYPE:
             return {"inputs": {port: _EXAMPLE_BY_TYPE[port_type]}}
-    return None
+    # Otherwise every tensor input whose shape is declared: zeros, free dimensions of 2.
+    tensors = getattr(spec, "input_tensors", {})
+    examples = {port: _zeros(tensors[port]) for port in spec.inputs if port in tensors}
+    examples = {port: value for port, value in examples.items() if value is not None}
+    return {"inputs": examples} if examples else None
+
+
+def _zeros(tensor: Any) -> Any:
+    if tensor.shape is None:
+        return None
+    zero: Any = 0 if (tensor.dtype or "float32").startswith(("int", "uint")) else 0.0
+    value = zero
+    for dim in reversed(tensor.shape):
+        value = [value] * (2 if dim is None else dim)
+    return value
 
 
 def _outputs(spec: Any) -> dict[str, dict[str, Any]]:

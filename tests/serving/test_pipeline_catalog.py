@@ -51,3 +51,20 @@ def test_unknown_pipeline_is_404(tiny_server):
     r = httpx.get(tiny_server.url + "/v1/pipelines/nope", timeout=10)
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tensor_input_example_follows_the_declared_shape(tmp_path):
+    from omnistage.tests.serving.conftest import start_server
+
+    server = start_server(["tiny-diamond"], tmp_path / "server.log")
+    try:
+        server.wait_ready(timeout=300)
+        card = httpx.get(server.url + "/v1/pipelines/tiny-diamond", timeout=10).json()
+        assert card["inputs"]["x"]["shape"] == [None, 8]
+        example = card["example_request"]
+        assert [len(row) for row in example["inputs"]["x"]] == [8, 8]
+        r = httpx.post(server.url + "/v1/pipelines/tiny-diamond/run", json=example, timeout=120)
+        assert r.status_code == 200, r.text
+        assert {len(row) for row in r.json()["outputs"]["y"]} == {8}
+    finally:
+        server.stop()
