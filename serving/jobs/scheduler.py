@@ -1,0 +1,120 @@
+"""The scheduler: moves queued jobs from the store into the runtime's admission, and runs them.
+
+Per model, at most `max_running_per_model` jobs are in the runtime at once; the rest wait in
+the store (a burst of thousands of jobs costs rows, not memory). A job in the runtime is one
+`pipeline.stream()`; its chunks become the job's progress, preview and output events, and its
+end becomes completed or failed. Cancelling a running job cancels its task, which closes the
+stream: the runtime aborts the request in every stage (the denoiser drops it at its next step
+boundary and frees its slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from omnistage.errors import OmnistageError
+from omnistage.serving.jobs.model import Job, JobStatus
+from omnistage.serving.jobs.outputs import output_formats, write_outputs
+from omnistage.stages.contracts import combine_chunks
+
+if TYPE_CHECKING:
+    from omnistage.serving.jobs.service import JobService
+
+log = logging.getLogger("omnistage.jobs")
+
+IDLE_POLL_S = 0.5  # with nothing to start, how often the store is looked at anyway
+
+
+class Scheduler:
+    def __init__(self, service: JobService):
+        self.service = service
+        self.running: dict[str, asyncio.Task] = {}  # job id -> its task
+        self.wake = asyncio.Event()
+
+    def running_for(self, model: str) -> int:
+        return sum(1 for job_id, model_of in self._models.items() if model_of == model and job_id in self.running)
+
+    async def run(self) -> None:
+        self._models: dict[str, str] = {}
+        while True:
+            self._start_what_fits()
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
+            except TimeoutError:
+                pass
+
+    def _start_what_fits(self) -> None:
+        store, registry = self.service.store, self.service.registry
+        limit = self.service.config.max_running_per_model
+        for model in store.queued_models():
+            entry = registry.entry(model)
+            if entry is None or not entry.is_ready() or registry.draining:
+                continue  # waits in the store until the pipeline is ready
+            room = limit - self.running_for(model)
+            if room <= 0:
+                continue
+            for job in store.claim_queued(model, room):
+                self._models[job.id] = model
+                task = asyncio.create_task(self._run_job(job, entry.pipeline), name=f"job-{job.id}")
+                self.running[job.id] = task
+                task.add_done_callback(lambda _t, job_id=job.id: self._finished(job_id))
+
+    def _finished(self, job_id: str) -> None:
+        self.running.pop(job_id, None)
+        self._models.pop(job_id, None)
+        self.wake.set()
+
+    def cancel(self, job_id: str) -> bool:
+        task = self.running.get(job_id)
+        if task is None:
+            return False
+        task.cancel()
+        return True
+
+    async def _run_job(self, job: Job, pipeline: Any) -> None:
+        service = self.service
+        service.emit(job.id, "started", {"attempt": job.attempts})
+        try:
+            outputs = await self._stream(job, pipeline)
+            formats = output_formats(pipeline.spec, job.output_format)
+            record = await asyncio.to_thread(write_outputs, job.id, outputs, formats, service.config.outputs_dir)
+        except asyncio.CancelledError:
+            service.finish(job.id, JobStatus.CANCELED, error=None)
+            raise
+        except OmnistageError as err:
+            error = {"message": str(err), "code": err.code, "param": getattr(err, "param", None), "status": err.status}
+            service.finish(job.id, JobStatus.FAILED, error=error)
+            return
+        except Exception as err:  # noqa: BLE001 - a job's failure must not stop the scheduler
+            log.exception("job %s failed", job.id)
+            error = {"message": f"{type(err).__name__}: {err}", "code": "internal_error", "param": None, "status": 500}
+            service.finish(job.id, JobStatus.FAILED, error=error)
+            return
+        for port, value in record.items():
+            if isinstance(value, dict) and "files" in value:
+                service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
+        service.finish(job.id, JobStatus.COMPLETED, outputs=record)
+
+    async def _stream(self, job: Job, pipeline: Any) -> dict[str, Any]:
+        from omnistage.serving.routes.pipelines import _to_inputs
+
+        inputs = _to_inputs(pipeline.spec, job.inputs)
+        chunks: dict[str, list[Any]] = {p: [] for p in pipeline.spec.outputs}
+        stream = pipeline.stream(inputs, job.params, request_id=f"{job.id}-{job.attempts}")
+        last_progress: tuple[int, int] | None = None
+        try:
+            async for chunk in stream:
+                if chunk.progress is not None and tuple(chunk.progress) != last_progress:
+                    last_progress = tuple(chunk.progress)
+                    self.service.progress(job.id, *last_progress, stage=chunk.stage)
+                if chunk.port is not None and chunk.data is not None:
+                    chunks.setdefault(chunk.port, []).append(chunk.data)
+                    if not chunk.final:
+                        index = len(chunks[chunk.port]) - 1
+                        self.service.emit(job.id, "preview", {"port": chunk.port, "chunk": index}, webhook=False)
+        finally:
+            await stream.aclose()
+        return {p: combine_chunks(c) for p, c in chunks.items()}

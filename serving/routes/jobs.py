@@ -1,0 +1,199 @@
+"""Asynchronous jobs over any hosted pipeline (docs/jobs.md).
+
+POST   /v1/jobs                       {model, inputs, params?, output_format?, webhook?, metadata?, priority?}
+                                      -> 202 job; header Idempotency-Key: the same key, the same job
+GET    /v1/jobs                       newest first; ?limit, ?after (a job id), ?model
+GET    /v1/jobs/{id}                  status, progress, queue_position, timings, outputs, error, webhook attempts
+DELETE /v1/jobs/{id}                  cancel a queued or running job (409 when it has finished)
+GET    /v1/jobs/{id}/events           SSE of the job's event log; resumes after Last-Event-ID
+GET    /v1/jobs/{id}/outputs/{name}   an output file (Range requests answered)
+
+The router's lifespan starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
+the jobs directory must belong to this server alone (a lock file says so); when another server
+holds it, the jobs routes answer 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from omnistage.serving.errors import ServiceUnavailableError
+from omnistage.serving.jobs.model import JobsConfig
+from omnistage.serving.jobs.outputs import output_path
+from omnistage.serving.jobs.service import JobNotFoundError, JobService
+from omnistage.streaming.sse import SSE_HEADERS, SSE_MEDIA_TYPE, sse_comment, sse_event
+
+log = logging.getLogger("omnistage.jobs")
+
+CANCEL_WAIT_S = 5.0  # how long DELETE waits for a running job's stages to let it go
+KEEPALIVE_S = 15.0
+POLL_S = 1.0
+
+
+def _finished(service: JobService, job_id: str) -> bool:
+    job = service.store.get_job(job_id)
+    return job is None or job.status.finished
+
+
+@asynccontextmanager
+async def jobs_lifespan(app: FastAPI):
+    config = JobsConfig.from_env()
+    config.directory.mkdir(parents=True, exist_ok=True)
+    lock = open(config.directory / "server.lock", "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.warning("jobs are off: another server holds %s (set OMNISTAGE_JOBS_DIR)", config.directory)
+        app.state.jobs = None
+        lock.close()
+        yield
+        return
+    lock.write(str(os.getpid()))
+    lock.flush()
+    service = JobService(app.state.registry, config)
+    await service.start()
+    app.state.jobs = service
+    try:
+        yield
+    finally:
+        await service.stop()
+        lock.close()
+
+
+router = APIRouter(tags=["jobs"], lifespan=jobs_lifespan)
+
+
+class WebhookSpec(BaseModel):
+    url: str
+    events: list[str] | None = None
+    secret: str | None = None  # whsec_...; the server's secrets sign when absent
+
+
+class JobCreate(BaseModel):
+    model: str
+    inputs: dict[str, Any]
+    params: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    output_format: dict[str, str | dict[str, Any]] = Field(default_factory=dict)
+    webhook: WebhookSpec | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    priority: int = 0
+
+
+def jobs_service(request: Request) -> JobService:
+    service = getattr(request.app.state, "jobs", None)
+    if service is None:
+        raise ServiceUnavailableError("jobs are not available on this server", code="jobs_unavailable")
+    return service
+
+
+@router.post("/v1/jobs", status_code=202)
+async def create_job(
+    body: JobCreate, request: Request, idempotency_key: str | None = Header(default=None, alias="Idempotency-Key")
+):
+    service = jobs_service(request)
+    job, created = service.submit(
+        model=body.model,
+        inputs=body.inputs,
+        params=body.params,
+        webhook=body.webhook.model_dump() if body.webhook is not None else None,
+        metadata=body.metadata,
+        priority=body.priority,
+        output_format=body.output_format,
+        idempotency_key=idempotency_key,
+    )
+    headers = {"Location": f"/v1/jobs/{job.id}"}
+    if not created:
+        headers["Idempotent-Replayed"] = "true"
+    return JSONResponse(service.job_json(job), status_code=202, headers=headers)
+
+
+@router.get("/v1/jobs")
+async def list_jobs(
+    request: Request,
+    limit: int = Query(default=20, ge=1, le=100),
+    after: str | None = None,
+    model: str | None = None,
+) -> dict:
+    service = jobs_service(request)
+    jobs = service.store.list_jobs(limit + 1, after=after, model=model)
+    return {"object": "list", "data": [service.job_json(j) for j in jobs[:limit]], "has_more": len(jobs) > limit}
+
+
+@router.get("/v1/jobs/{job_id}")
+async def retrieve_job(job_id: str, request: Request) -> dict:
+    service = jobs_service(request)
+    return service.job_json(service.get(job_id))
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(job_id: str, request: Request) -> dict:
+    service = jobs_service(request)
+    service.cancel(job_id)
+    task = service.scheduler.running.get(job_id)
+    if task is not None:
+        await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
+    return service.job_json(service.get(job_id))
+
+
+@router.get("/v1/jobs/{job_id}/outputs/{name}")
+async def job_output(job_id: str, name: str, request: Request):
+    service = jobs_service(request)
+    job = service.get(job_id)
+    path = output_path(service.config.outputs_dir, job.id, name)
+    media_type = next(
+        (
+            f["media_type"]
+            for v in job.outputs.values()
+            if isinstance(v, dict)
+            for f in v.get("files", ())
+            if f["name"] == name
+        ),
+        None,
+    )
+    if path is None or media_type is None:
+        raise JobNotFoundError(f"{job_id}/outputs/{name}")
+    return FileResponse(path, media_type=media_type, filename=name, content_disposition_type="inline")
+
+
+@router.get("/v1/jobs/{job_id}/events")
+async def job_events(
+    job_id: str, request: Request, last_event_id: str | None = Header(default=None, alias="Last-Event-ID")
+):
+    service = jobs_service(request)
+    service.get(job_id)
+    try:
+        after = int(last_event_id) if last_event_id else 0
+    except ValueError:
+        after = 0
+
+    async def events():
+        nonlocal after
+        idle = 0
+        while True:
+            finished = False
+            for event in service.store.events_after(job_id, after):
+                after = event.seq
+                yield sse_event({"type": event.type, "job_id": job_id, "created_at": event.created_at,
+                                 **event.data}, event=event.type, id=str(event.seq))  # fmt: skip
+                finished = event.type in ("completed", "failed", "canceled")
+            if finished or (idle == 0 and _finished(service, job_id)):
+                return
+            async with service.changed:
+                try:
+                    await asyncio.wait_for(service.changed.wait(), POLL_S)
+                    idle = 0
+                except TimeoutError:  # a notification may fall between the read and the wait
+                    idle += 1
+            if idle and idle % int(KEEPALIVE_S / POLL_S) == 0:
+                yield sse_comment("keep-alive")
+
+    return StreamingResponse(events(), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
