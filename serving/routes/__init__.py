@@ -9,4 +9,5 @@ ROUTER_MODULES: list[str] = [
     "omnistage.serving.routes.system",  # /health, /ready, /metrics
     "omnistage.serving.routes.models",  # /v1/models
     "omnistage.serving.routes.pipelines",  # /v1/pipelines/{name}/run (generic JSON)
+    "omnistage.serving.routes.jobs",  # /v1/jobs (async jobs, events, outputs; docs/jobs.md)
 ]
