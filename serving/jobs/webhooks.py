@@ -80,7 +80,10 @@ class WebhookSender:
             while True:
                 due = await asyncio.to_thread(self.store.due_deliveries, time.time(), BATCH)
                 if due:
-                    await asyncio.gather(*(self._deliver(d) for d in due))
+                    by_url: dict[str, list[Delivery]] = {}
+                    for delivery in due:
+                        by_url.setdefault(delivery.url, []).append(delivery)
+                    await asyncio.gather(*(self._deliver_in_order(group) for group in by_url.values()))
                     continue
                 next_at = await asyncio.to_thread(self.store.next_delivery_at)
                 wait = POLL_S if next_at is None else min(POLL_S, max(0.0, next_at - time.time()))
@@ -95,8 +98,15 @@ class WebhookSender:
     def _secrets(self, delivery: Delivery) -> list[str]:
         return [delivery.secret] if delivery.secret else list(self.config.webhook_secrets)
 
-    async def _deliver(self, delivery: Delivery) -> None:
-        status, error, retry_after = None, None, None
+    async def _deliver_in_order(self, deliveries: list[Delivery]) -> None:
+        """One endpoint's messages one after another, oldest first; a failure stops the rest
+        until the next round (a 410 has disabled them by then)."""
+        for delivery in deliveries:
+            if not await self._deliver(delivery):
+                return
+
+    async def _deliver(self, delivery: Delivery) -> bool:
+        status, error, retry_after, refused = None, None, None, False
         started = time.monotonic()
         try:
             await asyncio.to_thread(check_destination, delivery.url, self.allow)
@@ -106,13 +116,13 @@ class WebhookSender:
             status = response.status_code
             retry_after = retry_after_seconds(response.headers.get("retry-after"))
         except UnsafeDestinationError as exc:
-            error = str(exc)
+            error, refused = str(exc), True
         except httpx.TimeoutException as exc:
             error = f"timeout: {exc.__class__.__name__}"
         except httpx.HTTPError as exc:
             error = f"connection error: {exc.__class__.__name__}: {exc}"
         latency_ms = (time.monotonic() - started) * 1000
-        outcome, next_at = self._outcome(delivery, status, error, retry_after)
+        outcome, next_at = self._outcome(delivery, status, refused, retry_after)
         await asyncio.to_thread(
             self.store.record_attempt,
             delivery,
@@ -126,19 +136,17 @@ class WebhookSender:
             await asyncio.to_thread(self.store.disable_endpoint, delivery.url, "410 Gone")
         if outcome != "delivered":
             log.info("webhook %s to %s: %s (%s)", delivery.id, delivery.url, status or error, outcome)
+        return outcome == "delivered"
 
     def _outcome(
-        self, delivery: Delivery, status: int | None, error: str | None, retry_after: float | None
+        self, delivery: Delivery, status: int | None, refused: bool, retry_after: float | None
     ) -> tuple[str, float]:
         if status is not None and 200 <= status < 300:
             return "delivered", 0.0
         if status == 410:
             return "disabled", 0.0
-        retryable = (
-            (status is None and not (error or "").startswith("webhook.url"))
-            or status == 429
-            or (status is not None and status >= 500)
-        )
+        # no status: a connection error or timeout (retried), or a destination refused (not)
+        retryable = (status is None and not refused) or status == 429 or (status is not None and status >= 500)
         attempts = delivery.attempts + 1
         schedule = self.config.webhook_schedule_s
         if not retryable or attempts >= len(schedule):
