@@ -49,6 +49,8 @@ FAMILIES: dict[str, Family] = {
                 "text": Role("outputs", ("text",), doc="output port with the reply text (streamed)"),
                 "info": Role("outputs", ("json",), False, "output port with finish reason, usage, logprobs"),
                 "audio": Role("outputs", ("audio",), False, "output port with the spoken reply"),
+                "audio_in": Role("inputs", ("audio",), False, "input port taking the messages' input_audio parts"),
+                "images_in": Role("inputs", ("image",), False, "input port taking the messages' image_url parts"),
             },
             ("text",),
             ("text",),
@@ -103,10 +105,11 @@ class ServeSpec:
     @property
     def modalities(self) -> dict[str, list[str]]:
         fam = FAMILIES[self.family]
-        out = list(fam.modalities_out)
-        if self.family == "chat" and "audio" in self.ports:
-            out.append("audio")
-        return {"input": list(fam.modalities_in), "output": out}
+        given, out = list(fam.modalities_in), list(fam.modalities_out)
+        if self.family == "chat":
+            given += [m for role, m in (("audio_in", "audio"), ("images_in", "image")) if role in self.ports]
+            out += ["audio"] if "audio" in self.ports else []
+        return {"input": given, "output": out}
 
 
 def check_serves(

@@ -9,5 +9,7 @@ ROUTER_MODULES: list[str] = [
     "omnistage.serving.routes.system",  # /health, /ready, /metrics
     "omnistage.serving.routes.models",  # /v1/models
     "omnistage.serving.routes.pipelines",  # /v1/pipelines/{name}/run (generic JSON)
+    "omnistage.serving.routes.chat",  # /v1/chat/completions (pipelines that serve chat)
+    "omnistage.serving.routes.completions",  # /v1/completions
     "omnistage.serving.routes.jobs",  # /v1/jobs (async jobs, events, outputs; docs/jobs.md)
 ]

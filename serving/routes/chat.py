@@ -1,0 +1,128 @@
+"""POST /v1/chat/completions on any pipeline whose YAML `serves: chat`.
+
+The request's messages go to the `messages` role's input port (the stage applies the model's
+chat template); sampling fields go to the `params:` stages that declare them; the reply is the
+`text` role's output port (streamed as `chat.completion.chunk` events) and finish reason,
+usage and logprobs come from the `info` role's port. With n > 1 the first sequence streams as
+it is made and the others arrive whole at the end (the AR stage streams sequence 0 only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from omnistage.serving.deps import unless_disconnected
+from omnistage.serving.routes.chat_input import pipeline_inputs
+from omnistage.serving.routes.chat_models import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
+from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
+from omnistage.serving.routes.streams import first_then_rest, sse_stream
+from omnistage.serving.routes.textgen import (
+    chat_logprobs,
+    check_stream_options,
+    choices_of,
+    finish_reason,
+    tokenizer_for,
+    usage,
+)
+
+router = APIRouter(tags=["openai"])
+
+
+def _check_unsupported(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise UnsupportedError("tools (function calling) are not supported yet", param="tools")
+    if body.tool_choice not in (None, "none"):
+        raise UnsupportedError("tool_choice is not supported yet (no tools)", param="tool_choice")
+    if body.response_format is not None and body.response_format.get("type") not in (None, "text"):
+        raise UnsupportedError("response_format other than text is not supported yet", param="response_format")
+    if body.logit_bias:
+        raise UnsupportedError("logit_bias is not supported yet", param="logit_bias")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise UnsupportedError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.modalities and "audio" in body.modalities:
+        raise UnsupportedError("audio output is not served by this route yet", param="modalities")
+    check_stream_options(body)
+
+
+def _stage_params(served: Served, body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    return served.stage_params(body.sampling_fields(max_tokens, top))
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletion,
+    responses={200: {"content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}},
+)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    served = served_pipeline(request, body.model, "chat")
+    _check_unsupported(body)
+    inputs = pipeline_inputs(served, body.messages)
+    params = _stage_params(served, body)
+    tokenizer = tokenizer_for(served) if body.logprobs else None
+    request_id = new_id("chatcmpl")
+    if body.stream:
+        return await _stream(request, served, body, inputs, params, request_id, tokenizer)
+    outputs = await unless_disconnected(request, served.pipeline.generate(inputs, params, request_id=request_id))
+    info = outputs.get(served.port("info")) if served.port("info") else None
+    choices = []
+    for c in choices_of(outputs.get(served.port("text")) or "", info, body.n):
+        logprobs = chat_logprobs(tokenizer, c.get("logprobs") or []) if tokenizer is not None else None
+        choices.append(
+            {
+                "index": c["index"],
+                "message": {"role": "assistant", "content": c["text"], "refusal": None},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(c["finish_reason"]),
+            }
+        )
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": now(),
+            "model": served.name,
+            "choices": choices,
+            "usage": usage(info),
+            "system_fingerprint": None,
+        }
+    )
+
+
+async def _stream(request, served: Served, body, inputs, params, request_id, tokenizer) -> StreamingResponse:
+    stream = served.pipeline.stream(inputs, params, request_id=request_id)
+    first = await first_then_rest(request, stream)
+    created, text_port, info_port = now(), served.port("text"), served.port("info")
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": served.name,
+            "choices": choices,
+            **extra,
+        }
+
+    async def events():
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])
+        info = None
+        async for item in first:
+            if item.port == text_port and item.data:
+                yield chunk([{"index": 0, "delta": {"content": item.data}, "logprobs": None, "finish_reason": None}])
+            elif item.port == info_port and item.data is not None:
+                info = item.data
+        for c in choices_of("", info, body.n):
+            rest = c["text"] if c["index"] > 0 and c.get("text") else None
+            logprobs = chat_logprobs(tokenizer, c.get("logprobs") or []) if tokenizer is not None else None
+            delta = {"content": rest} if rest else {}
+            reason = finish_reason(c["finish_reason"])
+            yield chunk([{"index": c["index"], "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+        if body.include_usage:
+            yield chunk([], usage=usage(info))
+
+    return sse_stream(events(), stream)
