@@ -11,5 +11,6 @@ ROUTER_MODULES: list[str] = [
     "omnistage.serving.routes.pipelines",  # /v1/pipelines/{name}/run (generic JSON)
     "omnistage.serving.routes.chat",  # /v1/chat/completions (pipelines that serve chat)
     "omnistage.serving.routes.completions",  # /v1/completions
+    "omnistage.serving.routes.images",  # /v1/images/generations
     "omnistage.serving.routes.jobs",  # /v1/jobs (async jobs, events, outputs; docs/jobs.md)
 ]
