@@ -17,6 +17,7 @@ from fastapi import APIRouter, FastAPI
 
 import omnistage
 from omnistage.serving.apidocs import install_api_docs
+from omnistage.serving.auth import ApiKeyGuard, ApiKeyPolicy
 from omnistage.serving.errors import install_error_handlers
 from omnistage.serving.guards import DEFAULT_MAX_BODY_BYTES, HostPolicy, RequestGuard
 from omnistage.serving.metrics import ServingMetrics
@@ -33,10 +34,12 @@ def create_app(
     load_on_startup: bool = True,
     max_body_bytes: int | None = DEFAULT_MAX_BODY_BYTES,
     host_policy: HostPolicy | None = None,
+    api_keys: ApiKeyPolicy | None = None,
 ) -> FastAPI:
     """Build the app. `routers`: extra routers to include after the ROUTER_MODULES ones.
     `max_body_bytes`: larger request bodies get 413 (None: no limit). `host_policy`: the Host
-    values answered (None: any; `omnistage serve` on a loopback address passes one)."""
+    values answered (None: any; `omnistage serve` on a loopback address passes one).
+    `api_keys`: bearer keys every route but the probes requires (serving/auth.py; None: open)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -62,6 +65,8 @@ def create_app(
         app.include_router(importlib.import_module(module_name).router)
     for router in routers:
         app.include_router(router)
+    if api_keys is not None:
+        app.add_middleware(ApiKeyGuard, policy=api_keys)
     app.add_middleware(RequestGuard, host_policy=host_policy, max_body_bytes=max_body_bytes)
     app.add_middleware(ServingMiddleware, registry=registry, metrics=app.state.metrics)
     return app

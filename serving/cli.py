@@ -56,6 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Host header value to answer besides loopback names (repeatable; *.example.com matches subdomains)",
     )
     p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require Authorization: Bearer KEY (repeatable; also OMNISTAGE_API_KEYS, comma-separated)",
+    )
+    p.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests one API key may have in flight; more get 429 with Retry-After",
+    )
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -99,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 log_level=args.log_level,
                 max_body_bytes=args.max_body_bytes,
                 allowed_hosts=args.allowed_hosts,
+                api_keys=args.api_keys,
+                max_concurrent_per_key=args.max_concurrent_per_key,
             )
             or 0
         )

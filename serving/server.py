@@ -89,11 +89,14 @@ def serve(
     ready_timeout: float = 600.0,
     max_body_bytes: int | None = None,
     allowed_hosts: Iterable[str] = (),
+    api_keys: Iterable[str] = (),
+    max_concurrent_per_key: int | None = None,
 ) -> int:
     """Serve the pipelines in `configs` (default: every configs/tiny-*.yaml). Returns the exit
     status: 0 after a clean drain, 2 for invalid configs, 1 when the server could not start."""
     from omnistage.graph.loader import PipelineValidationError
     from omnistage.serving.app import create_app
+    from omnistage.serving.auth import ApiKeyPolicy
     from omnistage.serving.guards import DEFAULT_MAX_BODY_BYTES, HostPolicy, is_loopback
 
     logging.basicConfig(
@@ -117,10 +120,11 @@ def serve(
     log.info("serving %s on http://%s:%d", ", ".join(registry.names()), host, port)
 
     host_policy = HostPolicy.for_bind(host, allowed_hosts)
-    if not is_loopback(host):
+    auth = ApiKeyPolicy.from_sources(api_keys, max_concurrent_per_key)
+    if not is_loopback(host) and auth is None:
         log.warning(
-            "listening on %s, not a loopback address: this server has no authentication (API keys are not "
-            "implemented), so anyone who can reach this port can run its pipelines",
+            "listening on %s, not a loopback address, with no authentication (no --api-key or "
+            "OMNISTAGE_API_KEYS): anyone who can reach this port can run its pipelines",
             host,
         )
     app = create_app(
@@ -128,6 +132,7 @@ def serve(
         drain_timeout=drain_timeout,
         max_body_bytes=DEFAULT_MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
         host_policy=host_policy,
+        api_keys=auth,
     )
     config = uvicorn.Config(
         app,

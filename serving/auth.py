@@ -1,0 +1,94 @@
+"""Optional API keys: `Authorization: Bearer KEY` on every route but the probes, and a limit on
+the requests one key may have in flight.
+
+Keys come from `omnistage serve --api-key KEY` (repeatable) and the OMNISTAGE_API_KEYS
+environment variable (comma-separated). With no keys the server is open, as before. A missing
+or unknown key is answered 401 `invalid_api_key` (OpenAI's shape); a key already running
+`max_concurrent` requests gets 429 `concurrency_limit_exceeded` with `Retry-After`. A streamed
+response counts until its last byte is sent.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from omnistage.serving.errors import error_body
+
+KEYS_ENV = "OMNISTAGE_API_KEYS"
+OPEN_PATHS = ("/health", "/ready")  # liveness/readiness probes carry no credentials
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class ApiKeyPolicy:
+    keys: tuple[str, ...]
+    max_concurrent: int | None = None  # per key; None: no limit
+
+    @classmethod
+    def from_sources(
+        cls, keys: Iterable[str] = (), max_concurrent: int | None = None, environ=os.environ
+    ) -> ApiKeyPolicy | None:
+        """The policy from `--api-key` values and OMNISTAGE_API_KEYS; None when no key is set."""
+        found = [k.strip() for k in keys if k.strip()]
+        found += [k.strip() for k in environ.get(KEYS_ENV, "").split(",") if k.strip()]
+        if not found:
+            return None
+        return cls(tuple(dict.fromkeys(found)), max_concurrent)
+
+    def match(self, presented: str) -> str | None:
+        """The configured key equal to `presented` (compared in constant time), else None."""
+        hit = None
+        for key in self.keys:
+            if hmac.compare_digest(key.encode(), presented.encode()):
+                hit = key
+        return hit
+
+
+class ApiKeyGuard:
+    """Pure ASGI middleware enforcing an ApiKeyPolicy."""
+
+    def __init__(self, app, policy: ApiKeyPolicy):
+        self.app = app
+        self.policy = policy
+        self.in_flight: Counter[str] = Counter()
+
+    async def __call__(self, scope, receive, send):
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or scope.get("path") in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        key = self.policy.match(token.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
+            message = (
+                "Missing API key: send Authorization: Bearer YOUR_KEY."
+                if not auth
+                else "Incorrect API key provided (expected Authorization: Bearer YOUR_KEY)."
+            )
+            return await _refuse(kind, send, 401, "invalid_api_key", message, {"www-authenticate": "Bearer"})
+        limit = self.policy.max_concurrent
+        if limit is not None and self.in_flight[key] >= limit:
+            message = f"This API key already has {limit} requests in flight (the per-key limit); retry later."
+            headers = {"retry-after": str(RETRY_AFTER_S)}
+            return await _refuse(kind, send, 429, "concurrency_limit_exceeded", message, headers)
+        self.in_flight[key] += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.in_flight[key] -= 1
+
+
+async def _refuse(kind: str, send, status: int, code: str, message: str, headers: dict[str, str]) -> None:
+    if kind == "websocket":
+        await send({"type": "websocket.close", "code": 1008, "reason": code})
+        return
+    body = json.dumps(error_body(message, status=status, code=code)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
