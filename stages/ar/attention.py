@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from omnistage.kernels.triton.metadata import PagedKernelMeta, build_paged_meta
+
 
 def _additive_mask(lens: list[int], length: int, device, dtype=torch.float32) -> torch.Tensor:
     """[1, B, 1, length] float mask: 0 where position < len, -inf after (SDPA is faster with it)."""
@@ -97,6 +99,8 @@ class AttentionMetadata:
     # Rows whose final hidden state is needed: every decode row, then the last row of each
     # prefill chunk with needs_output. The last layer computes attention/MLP for these only.
     out_rows: torch.Tensor | None = None
+    # Set instead of the decode buffer / groups and prefill masks when the Triton kernels run.
+    paged: PagedKernelMeta | None = None
 
 
 class DecodeBuffer:
@@ -225,12 +229,15 @@ def build_metadata(
     prefill_needs_output: list[bool] | None = None,
     dtype: torch.dtype = torch.float32,  # of the queries: SDPA wants float masks in the same dtype
     max_padding_ratio: float = 1.25,
+    paged_kernels: bool = False,
+    kv_heads: int = 1,
 ) -> AttentionMetadata:
     """decode_*: per decoding sequence (the first rows of the batch, sorted by context length):
     a unique key, its block table and context length (incl. the new token).
     prefill_specs: per prefill chunk, (context_len, num_tokens, block table).
     prefill_needs_output: per prefill chunk, whether its last row's final hidden state is needed
     (default: all).
+    paged_kernels: build meta.paged for the Triton kernels (kernels/triton) instead.
     """
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
@@ -238,6 +245,14 @@ def build_metadata(
         num_decodes=len(decode_lens),
         block_size=block_size,
     )
+    needs = prefill_needs_output if prefill_needs_output is not None else [True] * len(prefill_specs)
+    if paged_kernels:
+        meta.paged = build_paged_meta(decode_tables, decode_lens, prefill_specs, needs, block_size, kv_heads, device)
+        out_rows = list(range(len(decode_lens))) + [
+            len(decode_lens) + sum(n for _, n, _ in prefill_specs[: i + 1]) - 1 for i, need in enumerate(needs) if need
+        ]
+        meta.out_rows = torch.tensor(out_rows, dtype=torch.long, device=device)
+        return meta
     if decode_lens and decode_buffer is not None:
         meta.buffer_plan = decode_buffer.plan(decode_keys, decode_lens, decode_tables, max_padding_ratio)
     elif decode_buffer is not None:
@@ -254,7 +269,6 @@ def build_metadata(
             mask = None if all(n == L for n in lens) else _additive_mask(lens, L, device, dtype)
             meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
     start = len(decode_lens)
-    needs = prefill_needs_output if prefill_needs_output is not None else [True] * len(prefill_specs)
     out_rows = list(range(len(decode_lens)))
     for (ctx, n, bt), need in zip(prefill_specs, needs):
         if need:

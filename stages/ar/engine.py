@@ -18,6 +18,7 @@ import itertools
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.kernels import triton as triton_kernels
 from omnistage.stages.ar.attention import DecodeBuffer
 from omnistage.stages.ar.config import EngineConfig, SamplingParams, load_model_config
 from omnistage.stages.ar.kv_cache import BlockManager, KVCache
@@ -62,7 +63,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, bs, mc.num_kv_heads, mc.head_dim, config.dtype, self.device)
         self.decode_buffer = None
-        if config.decode_buffer_bytes > 0:
+        # The Triton attention kernels read the paged cache directly: no decode buffer then.
+        self.uses_triton = triton_kernels.selected(self.device)
+        if config.decode_buffer_bytes > 0 and not self.uses_triton:
             self.decode_buffer = DecodeBuffer(
                 mc.num_layers,
                 mc.num_kv_heads,
@@ -89,6 +92,8 @@ class LLMEngine:
             uses_mrope=mc.uses_mrope,
             num_layers=mc.num_layers,
             capture_layers=self.capture_layers,
+            paged_kernels=self.uses_triton,
+            kv_heads=mc.num_kv_heads,
         )
         self.checker = RequestChecker(mc, self.max_model_len, self.device, config.dtype)
         self.requests: dict[str, list[Sequence]] = {}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.kernels import cpu_fused
+from omnistage.kernels import triton as triton_kernels
 from omnistage.stages.ar import cpu_matmul
 from omnistage.stages.ar.attention import AttentionMetadata, paged_attention
 from omnistage.stages.ar.config import ModelConfig
@@ -159,6 +160,8 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) 
 
 
 class Attention(_Module):
+    paged_attention = staticmethod(paged_attention)  # DecoderModel.finalize() may swap in the Triton one
+
     def __init__(self, cfg: ModelConfig, layer_index: int):
         super().__init__()
         self.layer_index = layer_index
@@ -200,7 +203,7 @@ class Attention(_Module):
                 apply_rotary_(qk, cos, sin_signed)
             q = qkv[:, : self.q_size].view(n, h, d)
             kv = qkv[:, self.q_size :].view(n, 2 * kvh, d)
-            o = paged_attention(q, kv[:, :kvh], kv[:, kvh:], kv_cache, meta, self.scale, self.layer_index, kv=kv)
+            o = self.paged_attention(q, kv[:, :kvh], kv[:, kvh:], kv_cache, meta, self.scale, self.layer_index, kv=kv)
             return self.o_proj(o)
         if out_rows is None:
             qkv = self.qkv_proj(x)
@@ -220,7 +223,7 @@ class Attention(_Module):
             k = self.k_norm(k)
         q = apply_rotary(q, cos, sin) if out_rows is None else apply_rotary(q, cos_q, sin_q)
         k = apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_index, out_only=out_rows is not None)
+        o = self.paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_index, out_only=out_rows is not None)
         return self.o_proj(o)
 
 
@@ -283,9 +286,16 @@ class DecoderModel(_Module):
                 m.finalize()
         w = self.embed_tokens.weight
         fused = cpu_fused.load() if w.device.type == "cpu" and w.dtype == torch.float32 else None
+        triton_attention = None
+        if triton_kernels.selected(w.device):  # on CUDA by default; OMNISTAGE_TRITON=0 keeps torch
+            from omnistage.kernels.triton import engine_ops
+
+            fused, triton_attention = engine_ops.OPS, engine_ops.paged_attention
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, MLP)):
                 m.fused = fused  # (Qwen3's q/k norms see [tokens, heads, d]: RMSNorm keeps those eager)
+            if triton_attention is not None and isinstance(m, Attention):
+                m.paged_attention = triton_attention
         if self.embed_tokens.weight.device.type == "cpu":
             head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self._lm_head_t = head.detach().t().contiguous()

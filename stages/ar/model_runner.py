@@ -92,6 +92,8 @@ class ModelRunner:
         uses_mrope: bool,
         num_layers: int,
         capture_layers: tuple[int, ...],
+        paged_kernels: bool = False,
+        kv_heads: int = 1,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -102,6 +104,7 @@ class ModelRunner:
         self.device = device
         self.uses_mrope = uses_mrope
         self.capture_layers = capture_layers
+        self.paged_kernels, self.kv_heads = paged_kernels, kv_heads  # Triton attention (kernels/triton)
         # Without a capture of the last layer, the model keeps only rows that produce logits.
         self.outputs_only = num_layers not in capture_layers
         self._offsets = torch.arange(block_size, dtype=torch.long)
@@ -126,6 +129,8 @@ class ModelRunner:
             self.decode_buffer,
             prefill_needs_output=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in prefills],
             dtype=self.dtype,
+            paged_kernels=self.paged_kernels,
+            kv_heads=self.kv_heads,
         )
         return FlatBatch(
             ordered=decodes + prefills,
