@@ -127,3 +127,38 @@ def test_cancel_mid_speech_frees_both_kv_pools(omni_pipeline):
         assert time.monotonic() < deadline, {s: stats[s] for s in ("thinker", "talker")}
         time.sleep(0.2)
     assert stats["talker"]["generated_tokens"] - before < 3000
+
+
+def test_eight_concurrent_requests_get_what_they_get_alone(omni_pipeline):
+    """Different prompts, audio and voices at once through all five stages: text, codes and
+    speech of each equal the same request run alone."""
+    requests = []
+    for i in range(8):
+        clip = _clip(0.3 + 0.25 * i, 60 + i)
+        voice = ("Chelsie", "Ethan")[i % 2]
+        parts = 1 if i % 3 else 0
+        inputs = {"messages": _messages(parts, f"Question number {i}?")}
+        if parts:
+            inputs["audio"] = [{"samples": clip, "sampling_rate": 16000}]
+        params = _params(True, voice, max_tokens=8)
+        params["talker"]["max_tokens"] = 24
+        params["token2wav"]["seed"] = i
+        requests.append((inputs, params))
+
+    def summary(out):
+        audio = out["audio"]
+        return out["text"], list(out["codes"] or []), None if audio is None else torch.as_tensor(audio).reshape(-1)
+
+    alone = [summary(omni_pipeline.run(inp, par, timeout=300)) for inp, par in requests]
+
+    async def together():
+        return await asyncio.gather(*(omni_pipeline.generate(inp, par) for inp, par in requests))
+
+    for (text, codes, audio), out in zip(alone, asyncio.run(together())):
+        got_text, got_codes, got_audio = summary(out)
+        assert (got_text, got_codes) == (text, codes)
+        assert (audio is None) == (got_audio is None)
+        if audio is not None:
+            assert got_audio.shape == audio.shape
+            torch.testing.assert_close(got_audio, audio, rtol=0, atol=1e-4)
+    assert len({c for _, codes, _ in alone for c in codes}) >= 10
