@@ -117,7 +117,9 @@ class JobsConfig:
     @classmethod
     def from_env(cls) -> JobsConfig:
         env = os.environ
-        directory = Path(env.get("OMNISTAGE_JOBS_DIR") or Path.home() / ".cache" / "omnistage" / "jobs")
+        # relative to the server's working directory: two servers started in different
+        # directories never share (and lock each other out of) one jobs database
+        directory = Path(env.get("OMNISTAGE_JOBS_DIR") or "omnistage-jobs").absolute()
         schedule = env.get("OMNISTAGE_WEBHOOK_SCHEDULE")
         return cls(
             directory=directory,
