@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30  # finite "-inf": a fully masked tile must not turn exp() into NaN
+_NEG = tl.constexpr(-1.0e30)  # finite "-inf": a fully masked tile must not turn exp() into NaN
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG = -1.0e30
+_NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
