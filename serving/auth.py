@@ -70,12 +70,12 @@ class ApiKeyGuard:
                 if not auth
                 else "Incorrect API key provided (expected Authorization: Bearer YOUR_KEY)."
             )
-            return await _refuse(kind, send, 401, "invalid_api_key", message, {"www-authenticate": "Bearer"})
+            return await _reject(kind, send, 401, "invalid_api_key", message, {"www-authenticate": "Bearer"})
         limit = self.policy.max_concurrent
         if limit is not None and self.in_flight[key] >= limit:
             message = f"This API key already has {limit} requests in flight (the per-key limit); retry later."
             headers = {"retry-after": str(RETRY_AFTER_S)}
-            return await _refuse(kind, send, 429, "concurrency_limit_exceeded", message, headers)
+            return await _reject(kind, send, 429, "concurrency_limit_exceeded", message, headers)
         self.in_flight[key] += 1
         try:
             return await self.app(scope, receive, send)
@@ -83,7 +83,7 @@ class ApiKeyGuard:
             self.in_flight[key] -= 1
 
 
-async def _refuse(kind: str, send, status: int, code: str, message: str, headers: dict[str, str]) -> None:
+async def _reject(kind: str, send, status: int, code: str, message: str, headers: dict[str, str]) -> None:
     if kind == "websocket":
         await send({"type": "websocket.close", "code": 1008, "reason": code})
         return

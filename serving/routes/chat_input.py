@@ -22,7 +22,7 @@ def decode_base64(data: str, param: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise invalid(f"{param} is not valid base64: {exc}", param, "invalid_base64") from exc
+        raise invalid(f"{param} is not valid base64: {exc}", param, code="invalid_base64") from exc
 
 
 def _image_bytes(part: ImagePart, param: str) -> bytes:
@@ -30,7 +30,7 @@ def _image_bytes(part: ImagePart, param: str) -> bytes:
     if url.startswith(("http://", "https://")):
         raise UnsupportedError("remote image URLs are not fetched; send a data: URL (base64)", param=param)
     if not url.startswith("data:") or ";base64," not in url:
-        raise invalid("image_url.url must be a data:image/...;base64,... URL", param, "invalid_image_url")
+        raise invalid("image_url.url must be a data:image/...;base64,... URL", param, code="invalid_image_url")
     data = decode_base64(url.split(";base64,", 1)[1], param)
     from PIL import Image, UnidentifiedImageError
 
@@ -38,7 +38,7 @@ def _image_bytes(part: ImagePart, param: str) -> bytes:
         with Image.open(io.BytesIO(data)) as img:
             img.verify()
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise invalid(f"{param} is not a decodable image: {exc}", param, "invalid_image") from exc
+        raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
     return data
 
 
@@ -51,7 +51,7 @@ def _audio_bytes(part: AudioPart, param: str) -> bytes:
     except (RuntimeError, soundfile.LibsndfileError) as exc:  # mp3/ogg that libsndfile cannot read: try PyAV
         if not _pyav_decodes(data):
             raise invalid(
-                f"{param}.data is not decodable {part.input_audio.format} audio", f"{param}.data", "invalid_audio"
+                f"{param}.data is not decodable {part.input_audio.format} audio", f"{param}.data", code="invalid_audio"
             ) from exc
     return data
 
@@ -84,15 +84,15 @@ def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, An
             param = f"{where}.content[{j}]"
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
-            elif isinstance(part, ImagePart):
+            elif isinstance(part, ImagePart):  # decoded first: a broken file is named on any model
+                images.append(_image_bytes(part, f"{param}.image_url"))
                 if images_port is None:
                     raise UnsupportedError(f"the model {served.name!r} takes no images", param=param)
-                images.append(_image_bytes(part, f"{param}.image_url"))
                 parts.append({"type": "image"})
             elif isinstance(part, AudioPart):
+                audio.append(_audio_bytes(part, f"{param}.input_audio"))
                 if audio_port is None:
                     raise UnsupportedError(f"the model {served.name!r} takes no audio", param=param)
-                audio.append(_audio_bytes(part, f"{param}.input_audio"))
                 parts.append({"type": "audio"})
         if audio_port is None and images_port is None:
             out.append({"role": role, "content": "".join(p["text"] for p in parts)})

@@ -82,7 +82,7 @@ def _size(size: str | None) -> dict[str, int]:
         return {}
     match = SIZE.match(size)
     if match is None:
-        raise invalid(f"size must be WIDTHxHEIGHT (e.g. 64x64) or auto, got {size!r}", "size", "invalid_size")
+        raise invalid(f"size must be WIDTHxHEIGHT (e.g. 64x64) or auto, got {size!r}", "size", code="invalid_size")
     return {"width": int(match.group(1)), "height": int(match.group(2))}
 
 

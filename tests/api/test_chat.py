@@ -121,4 +121,4 @@ def test_tools_are_refused_with_the_field_named(client):
             model="tiny-llm",
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}],
         )
-    assert info.value.body["param"] == "messages[0].content[0]"
+    assert info.value.body["param"] == "messages[0].content[0].image_url"
