@@ -50,6 +50,7 @@ class Job:
     finished_at: float | None = None
     expires_at: float | None = None
     cancel_requested: bool = False
+    api: str = "jobs"  # the API that created it: "jobs" or "videos"
 
 
 @dataclass

@@ -83,7 +83,8 @@ class JobService:
 
     # -- requests -----------------------------------------------------------------------------------
     def submit(self, *, model: str, inputs: dict, params: dict, webhook: dict | None, metadata: dict,
-               priority: int, output_format: dict, idempotency_key: str | None) -> tuple[Job, bool]:  # fmt: skip
+               priority: int, output_format: dict, idempotency_key: str | None,
+               api: str = "jobs") -> tuple[Job, bool]:  # fmt: skip
         """Validate and store a job; an idempotency key seen before returns that job (and False)."""
         if idempotency_key is not None:
             existing = self.store.job_by_key(idempotency_key)
@@ -95,6 +96,7 @@ class JobService:
         job = Job(
             id=f"job_{uuid.uuid4().hex}", model=model, inputs=inputs, params=params, priority=priority,
             metadata=metadata, webhook=webhook, output_format=output_format, idempotency_key=idempotency_key,
+            api=api,
         )  # fmt: skip
         job, created = self.store.create_job(job)
         if created:

@@ -50,12 +50,17 @@ MIGRATIONS: list[str] = [
     CREATE INDEX webhook_attempts_job ON webhook_attempts (job_id);
     CREATE TABLE disabled_endpoints (url TEXT PRIMARY KEY, at REAL NOT NULL, reason TEXT NOT NULL);
     """,
+    # 2: which API created the job (jobs, videos), so /v1/videos lists only its own
+    """
+    ALTER TABLE jobs ADD COLUMN api TEXT NOT NULL DEFAULT 'jobs';
+    CREATE INDEX jobs_api ON jobs (api, created_at);
+    """,
 ]
 
 _JSON_FIELDS = ("inputs", "params", "metadata", "webhook", "output_format", "outputs", "error")
 _JOB_COLUMNS = (
     "id model status priority inputs params metadata webhook output_format idempotency_key progress_done "
-    "progress_total outputs error attempts created_at started_at finished_at expires_at cancel_requested"
+    "progress_total outputs error attempts created_at started_at finished_at expires_at cancel_requested api"
 ).split()
 
 
@@ -65,7 +70,9 @@ class JobStore(Protocol):
     def job_by_key(self, key: str) -> Job | None: ...
     def queued_models(self) -> list[str]: ...
     def next_delivery_at(self) -> float | None: ...
-    def list_jobs(self, limit: int, after: str | None = None, model: str | None = None) -> list[Job]: ...
+    def list_jobs(
+        self, limit: int, after: str | None = None, model: str | None = None, api: str | None = None
+    ) -> list[Job]: ...
     def queue_position(self, job: Job) -> int: ...
     def claim_queued(self, model: str, limit: int) -> list[Job]: ...
     def update_job(self, job_id: str, **fields: Any) -> None: ...
@@ -169,9 +176,14 @@ class SQLiteJobStore:
             row = self._db.execute("SELECT * FROM jobs WHERE idempotency_key = ?", (key,)).fetchone()
         return _row_to_job(row) if row is not None else None
 
-    def list_jobs(self, limit: int, after: str | None = None, model: str | None = None) -> list[Job]:
-        """Newest first; `after`: a job id, the page starts past it."""
+    def list_jobs(
+        self, limit: int, after: str | None = None, model: str | None = None, api: str | None = None
+    ) -> list[Job]:
+        """Newest first; `after`: a job id, the page starts past it; `api`: only jobs it created."""
         clauses, args = [], []
+        if api is not None:
+            clauses.append("api = ?")
+            args.append(api)
         if after is not None:
             clauses.append("(created_at, id) < (SELECT created_at, id FROM jobs WHERE id = ?)")
             args.append(after)

@@ -1,0 +1,211 @@
+"""OpenAI's video API as a thin shape over jobs (docs/jobs.md, "OpenAI's /v1/videos").
+
+POST   /v1/videos                  form or JSON: prompt, model?, seconds?, size? -> a video job
+GET    /v1/videos                  newest first: ?limit, ?after
+GET    /v1/videos/{id}             status queued | in_progress | completed | failed, integer progress
+GET    /v1/videos/{id}/content     ?variant=video (MP4, range requests) | thumbnail (WebP of frame 0)
+DELETE /v1/videos/{id}             cancels a running video and deletes it
+
+A model is a hosted pipeline with a `text` input named `prompt` and one `video` output. `size`
+"WxH" sets the diffusion stages' width and height; `seconds` sets num_frames at the pipeline's
+frame rate, rounded to the 4k+1 frames the Wan VAE takes. A video's id is its job's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from omnistage.errors import InvalidRequestError
+from omnistage.serving.errors import ModelNotFoundError
+from omnistage.serving.jobs.model import Job, JobStatus
+from omnistage.serving.jobs.outputs import delete_outputs, output_path
+from omnistage.serving.jobs.service import JobNotFoundError, JobService
+from omnistage.serving.media import DEFAULT_FPS
+from omnistage.serving.routes.jobs import jobs_service
+
+router = APIRouter(tags=["videos"])
+
+FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("application/json"):
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the body must be a JSON object", param=None)
+        return body
+    form = await request.form()
+    return {key: form.get(key) for key in form.keys()}
+
+
+def _video_pipeline(request: Request, model: str | None) -> tuple[str, Any, str]:
+    """(name, spec, video port) of the pipeline `model` names (default: the only video one)."""
+    registry = request.app.state.registry
+    candidates = []
+    for entry in registry.entries():
+        spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+        ports = [p for p, t in spec.outputs.items() if t == "video"] if spec is not None else []
+        if len(ports) == 1 and spec.inputs.get("prompt") == "text":
+            candidates.append((entry.name, spec, ports[0]))
+    if model is None:
+        if len(candidates) != 1:
+            raise InvalidRequestError(
+                "name the video model (hosted: " + ", ".join(c[0] for c in candidates) + ")", "model"
+            )
+        return candidates[0]
+    for candidate in candidates:
+        if candidate[0] == model:
+            return candidate
+    if registry.entry(model) is not None:
+        raise InvalidRequestError(f"model {model!r} does not make videos from a prompt", param="model")
+    raise ModelNotFoundError(model, registry.names())
+
+
+def _generation(seconds: Any, size: Any) -> dict[str, Any]:
+    generation: dict[str, Any] = {}
+    if size is not None:
+        try:
+            width, height = (int(v) for v in str(size).lower().split("x"))
+        except ValueError:
+            raise InvalidRequestError(f"size must be WIDTHxHEIGHT, not {size!r}", param="size") from None
+        generation.update(width=width, height=height)
+    if seconds is not None:
+        try:
+            value = float(seconds)
+        except ValueError:
+            raise InvalidRequestError(f"seconds must be a number, not {seconds!r}", param="seconds") from None
+        if not value > 0:
+            raise InvalidRequestError("seconds must be positive", param="seconds")
+        generation["num_frames"] = 4 * max(1, round(value * DEFAULT_FPS / 4)) + 1
+    return generation
+
+
+def video_json(service: JobService, job: Job) -> dict[str, Any]:
+    status = {JobStatus.CANCELED: "failed"}.get(job.status, job.status.value)
+    error = job.error
+    if job.status is JobStatus.CANCELED:
+        error = {"code": "canceled", "message": "the video was canceled"}
+    percent = 100 if job.status is JobStatus.COMPLETED else service.job_json(job)["progress"]["percent"]
+    return {
+        "id": job.id,
+        "object": "video",
+        "model": job.model,
+        "status": status,
+        "progress": percent,
+        "created_at": int(job.created_at),
+        "completed_at": int(job.finished_at) if job.status is JobStatus.COMPLETED else None,
+        "expires_at": int(job.expires_at) if job.expires_at else None,
+        "prompt": job.metadata.get("prompt"),
+        "seconds": job.metadata.get("seconds"),
+        "size": job.metadata.get("size"),
+        "remixed_from_video_id": None,
+        "error": {"code": error.get("code"), "message": error.get("message")} if error else None,
+    }
+
+
+def _video(service: JobService, video_id: str) -> Job:
+    job = service.get(video_id)
+    if job.api != "videos":
+        raise JobNotFoundError(video_id)
+    return job
+
+
+@router.post("/v1/videos")
+async def create_video(request: Request):
+    service = jobs_service(request)
+    body = await _body(request)
+    unknown = set(body) - set(FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidRequestError("prompt is required", param="prompt")
+    if body.get("input_reference") is not None:
+        raise InvalidRequestError("input_reference: these pipelines take no reference image", param="input_reference")
+    name, spec, port = _video_pipeline(request, body.get("model"))
+    from omnistage.stages.diffusion import stage_params
+
+    generation = _generation(body.get("seconds"), body.get("size"))
+    job, _ = service.submit(
+        model=name,
+        inputs={"prompt": prompt},
+        params=stage_params(spec, generation),
+        webhook=None,
+        metadata={"prompt": prompt, "seconds": body.get("seconds"), "size": body.get("size"), "port": port},
+        priority=0,
+        output_format={port: "mp4"},
+        idempotency_key=request.headers.get("idempotency-key"),
+        api="videos",
+    )
+    return JSONResponse(video_json(service, job))
+
+
+@router.get("/v1/videos")
+async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100), after: str | None = None):
+    service = jobs_service(request)
+    jobs = service.store.list_jobs(limit + 1, after=after, api="videos")
+    data = [video_json(service, j) for j in jobs[:limit]]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(jobs) > limit,
+    }
+
+
+@router.get("/v1/videos/{video_id}")
+async def retrieve_video(video_id: str, request: Request):
+    service = jobs_service(request)
+    return video_json(service, _video(service, video_id))
+
+
+@router.get("/v1/videos/{video_id}/content")
+async def video_content(video_id: str, request: Request, variant: str = "video"):
+    service = jobs_service(request)
+    job = _video(service, video_id)
+    if variant not in ("video", "thumbnail"):
+        raise InvalidRequestError(f"variant must be video or thumbnail, not {variant!r}", param="variant")
+    if job.status is not JobStatus.COMPLETED:
+        raise InvalidRequestError(f"video {video_id} is {video_json(service, job)['status']}, not completed", "id")
+    files = job.outputs[job.metadata["port"]]["files"]
+    path = output_path(service.config.outputs_dir, job.id, files[0]["name"])
+    if path is None:
+        raise JobNotFoundError(video_id)
+    if variant == "video":
+        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4", content_disposition_type="inline")
+    thumb = path.with_name("thumbnail.webp")
+    if not thumb.exists():
+        await asyncio.to_thread(_write_thumbnail, path, thumb)
+    return FileResponse(thumb, media_type="image/webp")
+
+
+def _write_thumbnail(video: Any, thumb: Any) -> None:
+    import av
+
+    from omnistage.streaming.images import encode_image
+
+    with av.open(str(video)) as container:
+        frame = next(container.decode(video=0)).to_ndarray(format="rgb24")
+    tmp = thumb.with_name(".thumbnail.tmp")
+    tmp.write_bytes(encode_image(frame, "webp", quality=100))  # 100: lossless, frame 0's own pixels
+    tmp.replace(thumb)
+
+
+@router.delete("/v1/videos/{video_id}")
+async def delete_video(video_id: str, request: Request):
+    service = jobs_service(request)
+    job = _video(service, video_id)
+    if not job.status.finished:
+        service.cancel(video_id)
+        task = service.scheduler.running.get(video_id)
+        if task is not None:
+            await asyncio.wait({task}, timeout=5.0)
+    await asyncio.to_thread(delete_outputs, service.config.outputs_dir, video_id)
+    service.store.delete_job(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}

@@ -1,0 +1,91 @@
+"""OpenAI's /v1/videos over jobs, driven by the official `openai` client against a real server."""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from omnistage.serving.jobs.store import MIGRATIONS, SQLiteJobStore
+from omnistage.tests.jobs.conftest import jobs_env, start_jobs_server
+
+# the client warns that OpenAI's hosted video API is to close; this server's is not
+pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def video_server(tmp_path_factory):
+    base = tmp_path_factory.mktemp("videos")
+    server = start_jobs_server(["tiny-video"], base / "server.log", jobs_env(base / "jobs"))
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+def _frames(data: bytes) -> list[np.ndarray]:
+    with av.open(io.BytesIO(data)) as container:
+        return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+
+
+def test_create_poll_download_decode_delete(video_server):
+    client = openai.OpenAI(base_url=f"{video_server.url}/v1", api_key="unused", max_retries=0)
+    video = client.videos.create(model="tiny-video", prompt="a cat walks", seconds="0.5", size="32x32")
+    assert video.object == "video" and video.status in ("queued", "in_progress")
+    done = client.videos.poll(video.id, poll_interval_ms=100)
+    assert done.status == "completed" and done.progress == 100, done
+    assert done.size == "32x32" and done.seconds == "0.5" and done.completed_at >= done.created_at
+    content = client.videos.download_content(video.id, variant="video").read()
+    frames = _frames(content)
+    assert len(frames) == 9 and frames[0].shape == (32, 32, 3)  # 0.5 s at 16 fps -> 4k+1 = 9 frames
+    thumb = np.asarray(Image.open(io.BytesIO(client.videos.download_content(video.id, variant="thumbnail").read())))
+    assert thumb.shape == (32, 32, 3)
+    assert np.array_equal(thumb, frames[0])  # lossless WebP of the first decoded frame
+    # range requests for seeking
+    part = httpx.get(f"{video_server.url}/v1/videos/{video.id}/content", headers={"Range": "bytes=0-15"})
+    assert part.status_code == 206 and part.content == content[:16]
+    listed = client.videos.list()
+    assert video.id in [v.id for v in listed.data]
+    deleted = client.videos.delete(video.id)
+    assert deleted.deleted and deleted.id == video.id
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(video.id)
+
+
+def test_video_errors(video_server):
+    client = openai.OpenAI(base_url=f"{video_server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.videos.create(model="sora-2", prompt="x")
+    assert err.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(model="tiny-video", prompt="x", size="big")
+    assert err.value.body["param"] == "size"
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve("job_nope")
+
+
+def test_schema_version_1_database_migrates_to_the_current_one(tmp_path):
+    path = tmp_path / "jobs.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(MIGRATIONS[0] + "\nPRAGMA user_version = 1;")
+    db.execute(
+        "INSERT INTO jobs (id, model, status, priority, inputs, params, metadata, output_format, created_at) "
+        "VALUES ('job_old', 'tiny-image', 'queued', 0, '{}', '{}', '{}', '{}', 1.0)"
+    )
+    db.commit()
+    db.close()
+    store = SQLiteJobStore(path)
+    try:
+        assert store.schema_version == len(MIGRATIONS) == 2
+        job = store.get_job("job_old")
+        assert job.api == "jobs" and job.status.value == "queued"
+        assert store.list_jobs(10, api="videos") == []
+    finally:
+        store.close()
