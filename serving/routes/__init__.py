@@ -13,4 +13,5 @@ ROUTER_MODULES: list[str] = [
     "omnistage.serving.routes.completions",  # /v1/completions
     "omnistage.serving.routes.images",  # /v1/images/generations
     "omnistage.serving.routes.jobs",  # /v1/jobs (async jobs, events, outputs; docs/jobs.md)
+    "omnistage.serving.routes.videos",  # /v1/videos (OpenAI's video API over jobs)
 ]
