@@ -1,0 +1,211 @@
+"""`omnistage bench api [--quick] [--json FILE]`: what the OpenAI HTTP layer costs.
+
+The tiny LLM pipeline answers the same streamed chat requests (fixed prompts, greedy,
+`ignore_eos` so every request makes exactly `max_tokens` tokens) twice in one run:
+- python: `Pipeline.stream` in this process (the Python API, no HTTP);
+- http: `POST /v1/chat/completions` with `stream: true` to an `omnistage serve tiny-llm`
+  subprocess, read by an httpx client in this process.
+The two phases run one after the other (never both at once), each at concurrency 1 and 64
+(`--quick`: 1 and 4, fewer and shorter requests). Per phase and concurrency: time to the first
+content token (p50, p99) and completion tokens per second over the phase's wall time.
+Reported: ratios.http_vs_python_throughput_c64 (target >= 0.9) and
+http_overhead_ms.ttft_p50_c1 (http TTFT p50 minus python's at concurrency 1; target <= 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TARGETS = {"http_vs_python_throughput_c64": (">=", 0.9), "ttft_p50_c1": ("<=", 2.0)}
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "What is a paged KV cache?",
+    "Translate 'good morning' to French.",
+]
+
+
+@dataclass(frozen=True)
+class Plan:
+    concurrencies: tuple[int, ...]
+    requests_per_level: dict[int, int]
+    max_tokens: int
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        if quick:
+            return cls((1, 4), {1: 2, 4: 4}, 8)
+        return cls((1, 64), {1: 16, 64: 128}, 64)
+
+
+def _messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+async def _python_one(pipeline, i: int, max_tokens: int) -> tuple[float, int]:
+    params = {"llm": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}}
+    start, ttft, tokens = time.perf_counter(), None, 0
+    async for chunk in pipeline.stream({"messages": _messages(i)}, params):
+        if chunk.port == "text" and chunk.data and ttft is None:
+            ttft = time.perf_counter() - start
+        elif chunk.port == "info" and chunk.data:
+            tokens = chunk.data["usage"]["completion_tokens"]
+    return (ttft if ttft is not None else time.perf_counter() - start), tokens
+
+
+async def _http_one(client, i: int, max_tokens: int) -> tuple[float, int]:
+    body = {
+        "model": "tiny-llm",
+        "messages": _messages(i),
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start, ttft, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return (ttft if ttft is not None else time.perf_counter() - start), tokens
+
+
+async def _level(one, concurrency: int, total: int) -> dict[str, Any]:
+    """`total` requests, at most `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i):
+        async with gate:
+            return await one(i)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(gated(i) for i in range(total)))
+    wall = time.perf_counter() - start
+    ttfts = sorted(r[0] * 1000 for r in results)
+    tokens = sum(r[1] for r in results)
+    return {
+        "requests": total,
+        "ttft_ms_p50": statistics.median(ttfts),
+        "ttft_ms_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+    }
+
+
+async def _phase(one, plan: Plan, progress: bool, name: str) -> dict[str, Any]:
+    await one(0)  # warm-up (prefix cache, connections), not counted
+    out = {}
+    for c in plan.concurrencies:
+        out[f"c{c}"] = await _level(one, c, plan.requests_per_level[c])
+        if progress:
+            print(f"[bench api] {name} c={c}: {out[f'c{c}']['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(port: int, log_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMNISTAGE_JOBS_DIR": str(log_dir / "jobs")}
+    omnistage = Path(sys.executable).parent / "omnistage"
+    log = open(log_dir / "server.log", "wb")
+    cmd = [str(omnistage), "serve", "tiny-llm", "--port", str(port), "--log-level", "warning"]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"omnistage serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("omnistage serve did not become ready")
+
+
+async def _http_phase(url: str, plan: Plan, progress: bool) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=max(plan.concurrencies) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        return await _phase(lambda i: _http_one(client, i, plan.max_tokens), plan, progress, "http")
+
+
+def run_bench(quick: bool, progress: bool = True) -> dict[str, Any]:
+    from omnistage import Pipeline
+
+    plan = Plan.make(quick)
+    with Pipeline.from_yaml("tiny-llm") as pipeline:
+        python = asyncio.run(_phase(lambda i: _python_one(pipeline, i, plan.max_tokens), plan, progress, "python"))
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _free_port()
+        proc = _serve(port, Path(tmp))
+        try:
+            _wait_ready(f"http://127.0.0.1:{port}", proc)
+            http = asyncio.run(_http_phase(f"http://127.0.0.1:{port}", plan, progress))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    low, high = f"c{plan.concurrencies[0]}", f"c{plan.concurrencies[-1]}"
+    ratios = {"http_vs_python_throughput_c64": http[high]["tokens_per_s"] / python[high]["tokens_per_s"]}
+    overhead = {"ttft_p50_c1": http[low]["ttft_ms_p50"] - python[low]["ttft_ms_p50"]}
+    return {
+        "bench": "api",
+        "quick": quick,
+        "plan": {"concurrencies": list(plan.concurrencies), "max_tokens": plan.max_tokens},
+        "systems": {"python": python, "http": http},
+        "ratios": ratios,
+        "http_overhead_ms": overhead,
+        "targets": {k: {"op": op, "value": v} for k, (op, v) in TARGETS.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="omnistage bench api", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="smoke run: concurrency 1 and 4, 8 tokens")
+    ap.add_argument("--json", dest="json_path", help="write the results to this file")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    result = run_bench(quick=args.quick, progress=not args.no_progress)
+    result["command"] = "omnistage bench api " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

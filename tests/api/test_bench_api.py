@@ -1,0 +1,34 @@
+"""`omnistage bench api --quick` runs both systems on the same requests and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_quick_bench_writes_both_systems(tmp_path):
+    out = tmp_path / "api.json"
+    omnistage = Path(sys.executable).parent / "omnistage"
+    proc = subprocess.run(
+        [str(omnistage), "bench", "api", "--quick", "--no-progress", "--json", str(out)],
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    python, http = result["systems"]["python"], result["systems"]["http"]
+    assert set(python) == set(http) == {"c1", "c4"}
+    for level in ("c1", "c4"):
+        # ignore_eos: every request makes exactly max_tokens tokens, through either door
+        expected = python[level]["requests"] * result["plan"]["max_tokens"]
+        assert python[level]["tokens"] == http[level]["tokens"] == expected
+        assert 0 < http[level]["ttft_ms_p50"] <= http[level]["ttft_ms_p99"]
+    ratio = result["ratios"]["http_vs_python_throughput_c64"]
+    assert ratio == http["c4"]["tokens_per_s"] / python["c4"]["tokens_per_s"]
+    overhead = result["http_overhead_ms"]["ttft_p50_c1"]
+    assert overhead == http["c1"]["ttft_ms_p50"] - python["c1"]["ttft_ms_p50"]
