@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output file (required for png)")
     _add_overrides(p)
 
-    p = sub.add_parser("bench", help="benchmarks: runtime, ar, ar_engine, diffusion, api; plot a result")
-    p.add_argument("which", choices=["runtime", "ar", "ar_engine", "diffusion", "api", "plot"])
+    p = sub.add_parser("bench", help="benchmarks: runtime, ar, ar_engine, diffusion, api, omni; plot a result")
+    p.add_argument("which", choices=["runtime", "ar", "ar_engine", "diffusion", "api", "omni", "plot"])
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
