@@ -27,10 +27,15 @@ def output_formats(spec: Any, requested: dict[str, Any]) -> dict[str, MediaForma
 
 
 def write_outputs(
-    job_id: str, outputs: dict[str, Any], formats: dict[str, MediaFormat], directory: Path
+    job_id: str,
+    outputs: dict[str, Any],
+    formats: dict[str, MediaFormat],
+    directory: Path,
+    prebuilt: dict[str, bytes] | None = None,
 ) -> dict[str, Any]:
     """Encode and write the media ports; returns the job record's `outputs` entries:
-    {"files": [{"name", "media_type", "bytes"}]} per media port, the JSON value otherwise."""
+    {"files": [{"name", "media_type", "bytes"}]} per media port, the JSON value otherwise.
+    `prebuilt`: ports already encoded (a video muxed while it streamed)."""
     from omnistage.serving.routes.pipelines import to_jsonable
 
     job_dir = directory / job_id
@@ -41,7 +46,7 @@ def write_outputs(
         if media is None or value is None:
             record[port] = to_jsonable(value)
             continue
-        encoded = encode_media(value, media)
+        encoded = (prebuilt or {}).get(port) or encode_media(value, media)
         items = encoded if isinstance(encoded, list) else [encoded]
         ext = EXTENSIONS.get(media.format, media.format)
         files = []

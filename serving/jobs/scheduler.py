@@ -15,8 +15,10 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import OmnistageError
+from omnistage.serving.jobs.live import LiveVideo
 from omnistage.serving.jobs.model import Job, JobStatus
 from omnistage.serving.jobs.outputs import output_formats, write_outputs
+from omnistage.serving.media import DEFAULT_FPS
 from omnistage.stages.contracts import combine_chunks
 
 if TYPE_CHECKING:
@@ -31,6 +33,7 @@ class Scheduler:
     def __init__(self, service: JobService):
         self.service = service
         self.running: dict[str, asyncio.Task] = {}  # job id -> its task
+        self.live: dict[str, LiveVideo] = {}  # job id -> its video being muxed
         self.wake = asyncio.Event()
 
     def running_for(self, model: str) -> int:
@@ -77,10 +80,14 @@ class Scheduler:
     async def _run_job(self, job: Job, pipeline: Any) -> None:
         service = self.service
         service.emit(job.id, "started", {"attempt": job.attempts})
+        live = self._live_video(job, pipeline)
         try:
-            outputs = await self._stream(job, pipeline)
+            outputs = await self._stream(job, pipeline, live)
+            prebuilt = {live.port: await asyncio.to_thread(live.finish)} if live is not None else {}
             formats = output_formats(pipeline.spec, job.output_format)
-            record = await asyncio.to_thread(write_outputs, job.id, outputs, formats, service.config.outputs_dir)
+            record = await asyncio.to_thread(
+                write_outputs, job.id, outputs, formats, service.config.outputs_dir, prebuilt
+            )
         except asyncio.CancelledError:
             service.finish(job.id, JobStatus.CANCELED, error=None)
             raise
@@ -93,12 +100,25 @@ class Scheduler:
             error = {"message": f"{type(err).__name__}: {err}", "code": "internal_error", "param": None, "status": 500}
             service.finish(job.id, JobStatus.FAILED, error=error)
             return
+        finally:
+            if live is not None:
+                live.done = True
+                self.live.pop(job.id, None)
+                service.notify()
         for port, value in record.items():
             if isinstance(value, dict) and "files" in value:
                 service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
         service.finish(job.id, JobStatus.COMPLETED, outputs=record)
 
-    async def _stream(self, job: Job, pipeline: Any) -> dict[str, Any]:
+    def _live_video(self, job: Job, pipeline: Any) -> LiveVideo | None:
+        """The job's first MP4 video port, muxed while it streams (serving/jobs/live.py)."""
+        for port, media in output_formats(pipeline.spec, job.output_format).items():
+            if media.port_type == "video" and media.format == "mp4":
+                live = self.live[job.id] = LiveVideo(port, float(media.option("fps", DEFAULT_FPS)))
+                return live
+        return None
+
+    async def _stream(self, job: Job, pipeline: Any, live: LiveVideo | None) -> dict[str, Any]:
         from omnistage.serving.routes.pipelines import _to_inputs
 
         inputs = _to_inputs(pipeline.spec, job.inputs)
@@ -112,6 +132,8 @@ class Scheduler:
                     self.service.progress(job.id, *last_progress, stage=chunk.stage)
                 if chunk.port is not None and chunk.data is not None:
                     chunks.setdefault(chunk.port, []).append(chunk.data)
+                    if live is not None and chunk.port == live.port and await asyncio.to_thread(live.push, chunk.data):
+                        self.service.notify()
                     if not chunk.final:
                         index = len(chunks[chunk.port]) - 1
                         self.service.emit(job.id, "preview", {"port": chunk.port, "chunk": index}, webhook=False)

@@ -101,7 +101,7 @@ class JobService:
         job, created = self.store.create_job(job)
         if created:
             self.scheduler.wake.set()
-            self._notify()
+            self.notify()
         return job, created
 
     def _check_inputs(self, model: str, inputs: dict, output_format: dict) -> None:
@@ -166,7 +166,7 @@ class JobService:
         event = self.store.record_event(job_id, type, data, webhook=delivery, job_update=job_update)
         if delivery is not None:
             self.sender.wake.set()
-        self._notify()
+        self.notify()
         return event
 
     def progress(self, job_id: str, done: int, total: int, stage: str | None) -> None:
@@ -185,7 +185,7 @@ class JobService:
             data["error"] = error
         self.emit(job_id, status.value, data, job_update=update)
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
         async def notify():
             async with self.changed:
                 self.changed.notify_all()

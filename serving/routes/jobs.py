@@ -7,6 +7,8 @@ GET    /v1/jobs/{id}                  status, progress, queue_position, timings,
 DELETE /v1/jobs/{id}                  cancel a queued or running job (409 when it has finished)
 GET    /v1/jobs/{id}/events           SSE of the job's event log; resumes after Last-Event-ID
 GET    /v1/jobs/{id}/outputs/{name}   an output file (Range requests answered)
+WS     /v1/jobs/{id}/stream           the events as JSON text frames, and the video as binary
+                                      fragmented-MP4 segments while the VAE decodes it
 
 The router's lifespan starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
 the jobs directory must belong to this server alone (a lock file says so); when another server
@@ -22,7 +24,7 @@ import os
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Header, Query, Request
+from fastapi import APIRouter, FastAPI, Header, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -197,3 +199,55 @@ async def job_events(
                 yield sse_comment("keep-alive")
 
     return StreamingResponse(events(), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+
+
+@router.websocket("/v1/jobs/{job_id}/stream")
+async def job_stream(websocket: WebSocket, job_id: str):
+    service = getattr(websocket.app.state, "jobs", None)
+    job = service.store.get_job(job_id) if service is not None else None
+    if job is None:
+        await websocket.close(code=1008, reason="jobs unavailable" if service is None else "job not found")
+        return
+    await websocket.accept()
+    try:
+        await _send_stream(websocket, service, job_id)
+        await websocket.close(code=1000)
+    except WebSocketDisconnect:
+        pass
+
+
+async def _send_stream(websocket: WebSocket, service: JobService, job_id: str) -> None:
+    after, sent, live = 0, 0, None
+    while True:
+        live = live or service.scheduler.live.get(job_id)
+        if live is not None:
+            for segment in live.segments[sent:]:
+                await websocket.send_bytes(segment)
+            sent = len(live.segments)
+        for event in service.store.events_after(job_id, after):
+            after = event.seq
+            if event.type == "completed" and live is None:  # finished before this client came
+                await _send_file(websocket, service, job_id)
+            elif event.type == "completed":  # the muxer's last segment came after the read above
+                for segment in live.segments[sent:]:
+                    await websocket.send_bytes(segment)
+                sent = len(live.segments)
+            await websocket.send_json({"id": event.seq, "type": event.type, "job_id": job_id, **event.data})
+            if event.type in ("completed", "failed", "canceled"):
+                return
+        async with service.changed:
+            try:
+                await asyncio.wait_for(service.changed.wait(), POLL_S)
+            except TimeoutError:
+                pass
+
+
+async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> None:
+    job = service.store.get_job(job_id)
+    for value in (job.outputs if job is not None else {}).values():
+        for file in value.get("files", ()) if isinstance(value, dict) else ():
+            if file["media_type"] == "video/mp4":
+                path = output_path(service.config.outputs_dir, job_id, file["name"])
+                if path is not None:
+                    await websocket.send_bytes(await asyncio.to_thread(path.read_bytes))
+                return
