@@ -74,14 +74,9 @@ def _batching() -> dict[str, Any]:
     }
 
 
-def json_schema() -> dict[str, Any]:
-    port_map = {
-        "type": "object",
-        "propertyNames": {"pattern": F.NAME_PATTERN},
-        "additionalProperties": {"enum": list(PORT_TYPES)},
-    }
-    # an input declared with its shape/dtype (graph/inputs.py)
-    tensor_port = {
+def _tensor_port() -> dict[str, Any]:
+    """An input declared with its shape/dtype (graph/inputs.py)."""
+    return {
         "type": "object",
         "required": ["type"],
         "additionalProperties": False,
@@ -91,42 +86,52 @@ def json_schema() -> dict[str, Any]:
             "dtype": {"enum": list(TENSOR_DTYPES)},
         },
     }
+
+
+def _pool() -> dict[str, Any]:
     device = {"type": "string", "pattern": F.DEVICE_PATTERN}
+    return _object(
+        F.POOL,
+        {
+            "devices": {
+                "description": F.POOL["devices"].doc,
+                "anyOf": [
+                    {"type": "array", "items": {"anyOf": [device, _ENV_REF]}, "minItems": 1},
+                    {
+                        "type": "string",
+                        "pattern": r"^\s*(cpu|cuda(:[0-9]+)?)(\s*,\s*(cpu|cuda(:[0-9]+)?))*\s*$",
+                    },
+                    _ENV_REF,
+                ],
+            },
+            "memory": {
+                "description": F.POOL["memory"].doc,
+                "anyOf": [
+                    {"type": "string", "pattern": F.MEMORY_PATTERN},
+                    {"type": "integer", "minimum": 1},
+                    _ENV_REF,
+                ],
+            },
+        },
+    )
+
+
+def _stage() -> dict[str, Any]:
     model_map = _object(F.MODEL, {})
-    stage = _object(
+    return _object(
         F.STAGE,
         {
             "model": {"description": F.STAGE["model"].doc, "anyOf": [{"type": "string", "minLength": 1}, model_map]},
-            "pool": _object(
-                F.POOL,
-                {
-                    "devices": {
-                        "description": F.POOL["devices"].doc,
-                        "anyOf": [
-                            {"type": "array", "items": {"anyOf": [device, _ENV_REF]}, "minItems": 1},
-                            {
-                                "type": "string",
-                                "pattern": r"^\s*(cpu|cuda(:[0-9]+)?)(\s*,\s*(cpu|cuda(:[0-9]+)?))*\s*$",
-                            },
-                            _ENV_REF,
-                        ],
-                    },
-                    "memory": {
-                        "description": F.POOL["memory"].doc,
-                        "anyOf": [
-                            {"type": "string", "pattern": F.MEMORY_PATTERN},
-                            {"type": "integer", "minimum": 1},
-                            _ENV_REF,
-                        ],
-                    },
-                },
-            ),
+            "pool": _pool(),
             "batching": _batching(),
             "params": {"type": ["object", "null"], "description": F.STAGE["params"].doc},
         },
     )
+
+
+def _edge() -> dict[str, Any]:
     endpoint = {"type": "string", "pattern": r"^[A-Za-z_][A-Za-z0-9_-]*\.[A-Za-z_][A-Za-z0-9_-]*$"}
-    edge = _object(
+    return _object(
         F.EDGE,
         {
             "from": {**endpoint, "description": F.EDGE["from"].doc},
@@ -137,12 +142,20 @@ def json_schema() -> dict[str, Any]:
             },
         },
     )
-    schema = _object(
+
+
+def _pipeline() -> dict[str, Any]:
+    port_map = {
+        "type": "object",
+        "propertyNames": {"pattern": F.NAME_PATTERN},
+        "additionalProperties": {"enum": list(PORT_TYPES)},
+    }
+    return _object(
         F.PIPELINE,
         {
             "inputs": {
                 **port_map,
-                "additionalProperties": {"anyOf": [port_map["additionalProperties"], tensor_port]},
+                "additionalProperties": {"anyOf": [port_map["additionalProperties"], _tensor_port()]},
                 "description": F.PIPELINE["inputs"].doc,
             },
             "outputs": {**port_map, "description": F.PIPELINE["outputs"].doc, "minProperties": 1},
@@ -158,12 +171,15 @@ def json_schema() -> dict[str, Any]:
             "serves": serves_schema(),
         },
     )
+
+
+def json_schema() -> dict[str, Any]:
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://omnistage.dev/schemas/pipeline.json",
         "title": "omnistage pipeline",
         "description": "A multi-stage pipeline: typed input/output ports, stages, and the edges "
         "between them. See docs/pipelines.md.",
-        **schema,
-        "$defs": {"stage": stage, "edge": edge},
+        **_pipeline(),
+        "$defs": {"stage": _stage(), "edge": _edge()},
     }
