@@ -85,3 +85,22 @@ def test_engine_with_triton_kernels_matches_transformers(kind, tmp_path_factory,
         got_lps = [lp[t] for o in outs for lp, t in zip(o.new_logprobs, o.new_token_ids)]
         assert got_lps == pytest.approx(lps, abs=1e-4)
     assert engine.stats()["prefix_cache_hit_tokens"] >= 32
+
+
+def test_selection_switch_and_the_cpu_default(tmp_path_factory, monkeypatch):
+    """CUDA picks the kernels unless OMNISTAGE_TRITON=0; a CPU engine keeps the torch path
+    (and its decode buffer) unless forced with OMNISTAGE_TRITON=1."""
+    from omnistage.kernels import triton as triton_kernels
+    from omnistage.stages.ar import attention
+
+    monkeypatch.delenv("OMNISTAGE_TRITON", raising=False)
+    assert triton_kernels.selected("cuda:0") and not triton_kernels.selected("cpu")
+    monkeypatch.setenv("OMNISTAGE_TRITON", "0")
+    assert not triton_kernels.selected("cuda:0")
+    monkeypatch.setenv("OMNISTAGE_TRITON", "1")
+    assert triton_kernels.selected("cpu")
+    monkeypatch.setenv("OMNISTAGE_TRITON", "auto")
+    path, _ = _checkpoint(tmp_path_factory, "qwen2")
+    engine = LLMEngine(EngineConfig(model_path=path, max_num_seqs=2))
+    assert not engine.uses_triton and engine.decode_buffer is not None
+    assert engine.model.layers[0].self_attn.paged_attention is attention.paged_attention
