@@ -1,0 +1,44 @@
+"""`omnistage bench omni --quick` end to end: both systems really produce the fixed lengths
+(text tokens, codec tokens, audio = codec tokens x samples per codec token), agree token for
+token, and every key the full run reports is there with a finite value."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from omnistage.serving.cli import main as cli_main
+
+
+def test_quick_bench_produces_the_fixed_lengths_and_matches_transformers(tmp_path):
+    from omnistage.bench.omni import BenchConfig
+
+    cfg = BenchConfig.make(quick=True)
+    out = tmp_path / "omni.json"
+    assert cli_main(["bench", "omni", "--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    checks = result["checks"]
+    samples = cfg.codec_tokens * checks["samples_per_codec_token"]
+    assert checks["samples_per_codec_token"] == 2 * 5 * 3 * 2 * 2 * 2 * 2  # DiT repeats x BigVGAN upsampling
+    c_max = max(cfg.concurrency)
+    runs = [
+        *(result["omnistage"][f"c{c}"] for c in cfg.concurrency),
+        result["hf"]["serial"],
+        result["hf"][f"batch_c{c_max}"],
+    ]
+    for run in runs:
+        assert run["text_tokens"] == [cfg.text_tokens]
+        assert run["codec_tokens"] == [cfg.codec_tokens]
+        assert run["audio_samples"] == [samples]
+        assert run["requests"] in (cfg.requests, cfg.hf_requests, c_max)
+    assert (
+        checks["greedy_equal_hf"] and all(checks["codes_equal_hf"]) and len(checks["codes_equal_hf"]) == cfg.hf_requests
+    )
+    assert checks["fixed_lengths"]
+    ratios = result["ratios"]
+    for key in ("ttfa_vs_hf_full_c1", f"throughput_vs_hf_c{c_max}", f"throughput_vs_hf_batch_c{c_max}"):
+        assert math.isfinite(ratios[key]) and ratios[key] > 0
+    omni = result["omnistage"]["c1"]
+    # streamed: the first audio leaves before the request is over, the first text before that
+    assert omni["ttft_p50_s"] < omni["ttfa_p50_s"] < omni["latency_p50_s"]
+    assert result["config"]["hf_serial_subset"] == cfg.hf_requests
