@@ -27,7 +27,7 @@ from omnistage.stages.ar.model_runner import FlatBatch, ModelRunner
 from omnistage.stages.ar.requests import RequestChecker
 from omnistage.stages.ar.sampler import Sampler
 from omnistage.stages.ar.scheduler import Scheduler
-from omnistage.stages.ar.sequence import RequestOutput, Sequence, SequenceStatus
+from omnistage.stages.ar.sequence import RequestOutput, Sequence, SequenceOptions, SequenceStatus
 
 _DEFAULT_POOL_CAP_BYTES = 1 << 30
 
@@ -114,12 +114,14 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         decode_embeds: torch.Tensor | None = None,
+        options: SequenceOptions | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError (and queues nothing) when it is malformed.
 
         decode_embeds [K, embedding_size]: row min(t, K - 1) is added to the input embedding of
         generated token t when it is fed back (before any input projection); more rows can be
-        appended while the request runs with `extend_decode_embeds`."""
+        appended while the request runs with `extend_decode_embeds`. options: per-request engine
+        settings beyond sampling (prefix-cache keys, penalty ids, suppressed ids)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         req = self.checker.check(prompt_token_ids, sampling, inputs_embeds, position_ids, decode_embeds)
@@ -145,6 +147,7 @@ class LLMEngine:
                     mrope_delta=req.mrope_delta,
                     decode_embeds=req.decode_embeds,
                     generator=gen,
+                    **vars(options or SequenceOptions()),
                 )
             )
         parent = seqs[0]
@@ -159,6 +162,11 @@ class LLMEngine:
         rows = self.checker.embedding_rows(rows, "decode_embeds", "rows")
         for seq in self.requests.get(request_id, ()):
             seq.decode_embeds = rows if seq.decode_embeds is None else torch.cat((seq.decode_embeds, rows))
+
+    def set_decode_embeds_open(self, request_id: str, is_open: bool) -> None:
+        """Whether more decode_embeds rows will come for the request (see Sequence)."""
+        for seq in self.requests.get(request_id, ()):
+            seq.decode_embeds_open = is_open
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its sequences report finish_reason "abort" on the next step()."""

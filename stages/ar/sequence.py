@@ -41,6 +41,17 @@ class RequestOutput:
     num_output_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class SequenceOptions:
+    """What a stage built on the engine sets per request beyond sampling (the Qwen2.5-Omni
+    thinker and talker); each field is the Sequence field of the same name, described there."""
+
+    prompt_cache_keys: list[int] | None = None
+    prompt_penalty_ids: list[int] | None = None
+    suppress_token_ids: tuple[int, ...] = ()
+    decode_embeds_open: bool = False
+
+
 @dataclass(eq=False)
 class Sequence:
     """One generated stream. A request with n > 1 owns n sequences that share its prompt blocks."""

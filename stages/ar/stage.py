@@ -268,7 +268,13 @@ class ARLMStage(StageEngine):
             position_ids=positions,
             priority=priority,
             cache_salt=cache_salt,
+            options=self._sequence_options(),
         )
+
+    def _sequence_options(self):
+        """Engine options for the request being admitted (a subclass's hook; called right after
+        `_prompt`). None: the defaults."""
+        return None
 
     def _prompt(self, inputs: dict[str, Any]):
         given = [k for k in ("prompt", "messages", "tokens", "embeddings") if inputs.get(k) is not None]

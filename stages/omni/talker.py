@@ -35,6 +35,7 @@ from safetensors import safe_open
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.ar.config import SAMPLING_PARAMS, SamplingParams
 from omnistage.stages.ar.loader import checkpoint_files
+from omnistage.stages.ar.sequence import SequenceOptions
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.omni.checkpoint import read_config
 from omnistage.stages.params import Param, ParamSet
@@ -258,8 +259,7 @@ class TalkerStage(StageEngine):
             rows = torch.cat(req.reply)
             req.reply = []
             self.engine.extend_decode_embeds(req.request_id, rows)
-        for seq in self.engine.requests.get(req.request_id, ()):
-            seq.decode_embeds_open = not req.thinker_done
+        self.engine.set_decode_embeds_open(req.request_id, not req.thinker_done)
 
     def _start(self, req: _Request, first_reply: torch.Tensor) -> None:
         s = self.setup
@@ -275,13 +275,16 @@ class TalkerStage(StageEngine):
                 positions = torch.cat([req.positions, torch.tensor([[nxt, nxt + 1]]).expand(3, 2)], dim=1)
         n = prompt.shape[0]
         try:
-            self.engine.add_request(req.request_id, None, req.sampling, inputs_embeds=prompt, position_ids=positions)
+            options = SequenceOptions(
+                suppress_token_ids=(s.codec_bos,),
+                prompt_penalty_ids=[s.codec_mask] * (n - 2) + [s.codec_pad, s.codec_bos],
+            )
+            self.engine.add_request(
+                req.request_id, None, req.sampling, inputs_embeds=prompt, position_ids=positions, options=options
+            )
         except InvalidRequestError as err:
             self._fail(req, str(err), err.param)
             return
-        for seq in self.engine.requests[req.request_id]:
-            seq.suppress_token_ids = (s.codec_bos,)
-            seq.prompt_penalty_ids = [s.codec_mask] * (n - 2) + [s.codec_pad, s.codec_bos]
         req.started = True
 
     def _fail(self, req: _Request, message: str, param: str | None = None) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.ar.sequence import SequenceOptions
 from omnistage.stages.ar.stage import REQUEST_PARAMS as AR_REQUEST_PARAMS
 from omnistage.stages.ar.stage import STAGE_PARAMS as AR_STAGE_PARAMS
 from omnistage.stages.ar.stage import ARLMStage
@@ -153,12 +154,15 @@ class ThinkerStage(ARLMStage):
         self._speech = speech
         super()._admit(dataclasses.replace(request, params=params))
         prompt = self._admitting
-        if prompt.cache_keys is not None:
-            for seq in self.engine.requests.get(request.request_id, ()):
-                seq.prompt_cache_keys = prompt.cache_keys
-                seq.prompt_penalty_ids = prompt.token_ids  # transformers penalises the placeholder ids too
         if wants_rows:
             self._feeds[request.request_id] = _TalkerFeed(len(prompt.token_ids), prompt.media_mask, prompt.positions)
+
+    def _sequence_options(self) -> SequenceOptions | None:
+        prompt = self._admitting
+        if prompt is None or prompt.cache_keys is None:
+            return None
+        # transformers penalises the placeholder ids too
+        return SequenceOptions(prompt_cache_keys=prompt.cache_keys, prompt_penalty_ids=prompt.token_ids)
 
     def _prompt(self, inputs: dict[str, Any]):
         prompt = self.build_prompt(
