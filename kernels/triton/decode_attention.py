@@ -17,6 +17,11 @@ import triton.language as tl
 _NEG = tl.constexpr(-1.0e30)  # finite "-inf": a fully masked tile must not turn exp() into NaN
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: exact products (tensor cores would round them to tf32's 10-bit mantissa)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @triton.jit
 def _decode_kernel(
     Q, KV, BT, LENS, Out, PART_O, PART_ML,
@@ -26,7 +31,7 @@ def _decode_kernel(
     stride_bt,
     stride_on, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -55,14 +60,14 @@ def _decode_kernel(
         lmask = kmask[:, None] & (dd[None, :] < D)
         k = tl.load(k_base + slot[:, None] * stride_kv_slot + dd[None, :], mask=lmask, other=0.0)
         v = tl.load(v_base + slot[:, None] * stride_kv_slot + dd[None, :], mask=lmask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         qk = tl.where(kmask[None, :], qk, _NEG)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         p = tl.where(kmask[None, :], p, 0.0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     omask = (g[:, None] < GROUP) & (dd[None, :] < D)
@@ -136,6 +141,7 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=_pow2(group), D=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(B, H)](

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omnistage.kernels.triton.decode_attention import dot_precision
+
 _NEG = tl.constexpr(-1.0e30)
 
 
@@ -26,7 +28,7 @@ def _extend_kernel(
     stride_bt,
     stride_on, stride_oh,
     GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -59,12 +61,12 @@ def _extend_kernel(
             k = tl.load(k_base + slot[:, None] * stride_kv_slot + dd[None, :], mask=lmask, other=0.0)
             v = tl.load(v_base + slot[:, None] * stride_kv_slot + dd[None, :], mask=lmask, other=0.0)
             visible = kmask[None, :] & (pos[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, tl.dot(q, tl.trans(k)) * scale, _NEG)
+            qk = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale, _NEG)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
             p = tl.where(visible, tl.exp(qk - m_new[:, None]), 0.0)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         o_off = (q_start + rows).to(tl.int64)[:, None] * stride_on + h * stride_oh + dd[None, :]
@@ -102,6 +104,7 @@ def paged_extend_attention(
         out.stride(0), out.stride(1),
         GROUP=H // kvh, D=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=tile_n,
+        DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     return out
 

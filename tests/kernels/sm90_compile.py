@@ -27,12 +27,12 @@ P = "*bf16"
 compile_(
     da._decode_kernel,
     dict(Q=P, KV=P, BT="*i32", LENS="*i32", Out=P, PART_O="*fp32", PART_ML="*fp32", scale="fp32"),
-    dict(GROUP=7, GROUP_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, TILE_N=32, NUM_SPLITS=4),
+    dict(GROUP=7, GROUP_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, TILE_N=32, NUM_SPLITS=4, DOT_PRECISION="tf32"),
 )
 compile_(
     da._decode_kernel,
     dict(Q=P, KV=P, BT="*i32", LENS="*i32", Out=P, PART_O=P, PART_ML=P, scale="fp32"),
-    dict(GROUP=7, GROUP_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, TILE_N=32, NUM_SPLITS=1),
+    dict(GROUP=7, GROUP_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, TILE_N=32, NUM_SPLITS=1, DOT_PRECISION="tf32"),
 )
 compile_(
     da._merge_splits_kernel,
@@ -42,7 +42,18 @@ compile_(
 compile_(
     ea._extend_kernel,
     dict(Q=P, KV=P, BT="*i32", Q_START="*i32", Q_LEN="*i32", CTX="*i32", Out=P, scale="fp32"),
-    dict(GROUP=7, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=16, TILE_N=32),
+    dict(GROUP=7, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=16, TILE_N=32, DOT_PRECISION="tf32"),
+)
+F = "*fp32"  # float32 engines: exact ("ieee") dot products
+compile_(
+    da._decode_kernel,
+    dict(Q=F, KV=F, BT="*i32", LENS="*i32", Out=F, PART_O=F, PART_ML=F, scale="fp32"),
+    dict(GROUP=2, GROUP_PAD=16, D=64, D_PAD=64, BLOCK_SIZE=16, TILE_N=32, NUM_SPLITS=1, DOT_PRECISION="ieee"),
+)
+compile_(
+    ea._extend_kernel,
+    dict(Q=F, KV=F, BT="*i32", Q_START="*i32", Q_LEN="*i32", CTX="*i32", Out=F, scale="fp32"),
+    dict(GROUP=2, D=64, D_PAD=64, BLOCK_SIZE=16, BLOCK_M=16, TILE_N=32, DOT_PRECISION="ieee"),
 )
 compile_(ew._rms_norm_kernel, dict(X=P, RES=P, W=P, OUT=P, eps="fp32"), dict(D=896, D_PAD=1024, HAS_RES=True))
 compile_(ew._rms_norm_kernel, dict(X=P, RES=P, W=P, OUT=P, eps="fp32"), dict(D=64, D_PAD=64, HAS_RES=False))
