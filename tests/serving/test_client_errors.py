@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+from openai._streaming import SSEDecoder
 
 from omnistage.tests.serving.conftest import start_server
 
@@ -38,7 +39,7 @@ def test_stream_that_starts_is_sse_and_ends_with_done(tiny_server):
     with httpx.stream("POST", tiny_server.url + RUN, json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
-        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        events = [e.data for e in SSEDecoder().iter_bytes(r.iter_bytes())]  # the openai client's decoder
     assert events[-1] == "[DONE]"
     tokens = [t for e in events[:-1] for t in (json.loads(e)["data"] if json.loads(e)["port"] == "tokens" else [])]
     assert len(tokens) == 3
