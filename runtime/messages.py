@@ -98,6 +98,7 @@ class Emit:
     error_kind: str = "internal"
     progress: tuple[int, int] | None = None
     param: str | None = None  # the request parameter an invalid_request error names
+    absent_ports: tuple[str, ...] = ()  # with finished: ports this request never produced
 
 
 @dataclass(slots=True)

@@ -70,6 +70,8 @@ class RequestRecord:
     open_stages: set = field(default_factory=set)
     hub_permits: set = field(default_factory=set)  # edge indices whose permit the hub must return
     out_buffers: dict = field(default_factory=dict)  # non-streaming output edge -> chunks so far
+    # edges from a port declared absent whose consumer has not seen the request: idx -> (src, slot)
+    absent_edges: dict = field(default_factory=dict)
 
 
 class Router:
@@ -90,6 +92,7 @@ class Router:
         self.cond = cond  # notified whenever a request ends
         self.requests: dict[str, RequestRecord] = {}
         self.counts = dict.fromkeys(OUTCOMES, 0)
+        self.skipped_stages = 0  # (request, stage) pairs never admitted: every input was absent
         self.port_edges = {name: spec.out_edge_ids_by_port(name) for name in [*spec.stages, PIPELINE_INPUTS]}
         self.in_edge_idx = {name: spec.in_edge_ids(name) for name in spec.stages}
         self.sources = [n for n in spec.stages if not self.in_edge_idx[n]]
@@ -161,6 +164,10 @@ class Router:
         self.send(
             r, Deliver(req.rid, e.dst.port, payload, slot, last, has_data, self.meta(req, dst) if first else None)
         )
+        if first:  # the consumer runs after all: its absent inputs close as ordinary empty ports
+            for held in [i for i in self.in_edge_idx[dst] if i in req.absent_edges]:
+                src, held_slot = req.absent_edges.pop(held)
+                self.deliver(req, src, held, held_slot, None, False, True)
 
     def _deliver_output(
         self, req: RequestRecord, src_stage: str, idx: int, slot: int, payload: Any, has_data: bool, last: bool
@@ -196,6 +203,29 @@ class Router:
         req.sink(RequestEnd(req.rid, error))
         self.cond.notify_all()
 
+    def _absent_edge(self, req: RequestRecord, src: str, idx: int, slot: int) -> None:
+        """Edge idx will carry nothing for this request. A consumer that already has the request
+        (or the caller) gets an ordinary empty close; one that has not is held back, and skipped
+        once every one of its input edges is absent."""
+        dst = self.spec.edges[idx].dst.stage
+        if dst == PIPELINE_OUTPUTS or dst in req.replicas or req.rid not in self.requests:
+            self.deliver(req, src, idx, slot, None, False, True)
+            return
+        req.absent_edges[idx] = (src, slot)
+        if all(i in req.absent_edges for i in self.in_edge_idx[dst]):
+            self._skip_stage(req, dst)
+
+    def _skip_stage(self, req: RequestRecord, stage: str) -> None:
+        """The request never reaches `stage`: it is done there and all its outputs are absent."""
+        for i in self.in_edge_idx[stage]:
+            req.absent_edges.pop(i, None)
+        req.open_stages.discard(stage)
+        self.slots.stage_done(req.rid, stage)
+        self.skipped_stages += 1
+        for edges in self.port_edges[stage].values():
+            for slot, idx in enumerate(edges):
+                self._absent_edge(req, stage, idx, slot)
+
     def release_permit(self, idx: int) -> None:
         producer = self.permits.release(idx)
         for r in self.replicas[producer]:
@@ -229,14 +259,19 @@ class Router:
         if msg.progress is not None:
             req.sink(OutputChunk(req.rid, None, None, False, tuple(msg.progress), stage))
         if msg.finished:
-            self._stage_finished(req, r, port_edges, msg.outputs)
+            self._stage_finished(req, r, port_edges, msg.outputs, msg.absent_ports)
 
-    def _stage_finished(self, req: RequestRecord, r: Replica, port_edges: dict, outputs: dict) -> None:
+    def _stage_finished(
+        self, req: RequestRecord, r: Replica, port_edges: dict, outputs: dict, absent: tuple[str, ...] = ()
+    ) -> None:
         stage = r.stage
         for port, edges in port_edges.items():
             if port not in outputs:
                 for slot, idx in enumerate(edges):
-                    self.deliver(req, stage, idx, slot, None, False, True)
+                    if port in absent:
+                        self._absent_edge(req, stage, idx, slot)
+                    else:
+                        self.deliver(req, stage, idx, slot, None, False, True)
         req.open_stages.discard(stage)
         self.slots.stage_done(req.rid, stage)
         r.requests.discard(req.rid)

@@ -82,6 +82,17 @@ class Join(nn.Module):
         return self.lin(torch.cat([a, b], 0))
 
 
+class MaybeSide(nn.Module):
+    """x -> {"main": x + 1, "side": x * 2}; with params.side false the side port is ABSENT
+    (the stages fed only by it never see the request)."""
+
+    def forward(self, x, params=None):
+        from omnistage.stages.base import ABSENT
+
+        side = (params or {}).get("side", True)
+        return {"main": x + 1, "side": x * 2 if side else ABSENT}
+
+
 class Sleeper(nn.Module):
     """Returns x after params.delay seconds; params.invalid raises InvalidRequestError."""
 

@@ -369,7 +369,8 @@ class Worker:
                     if edges:
                         outputs[port] = encode(value, self.pool, len(edges))
             finished = em.finished or em.error is not None
-            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param))
+            absent = tuple(em.absent_ports) if em.finished else ()
+            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param, absent))
         if not emits:
             return
         self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))

@@ -67,6 +67,14 @@ class StageRequest:
     arrival: float = field(default_factory=time.time)
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()  # a port's value meaning "this request never produces this port"
+
+
 @dataclass
 class Emission:
     """What a step produced for one request.
@@ -85,6 +93,16 @@ class Emission:
     error_kind: str = "internal"
     progress: tuple[int, int] | None = None
     param: str | None = None  # the request parameter an invalid_request error is about
+    # With finished=True: output ports this request never produced. A stage reached only through
+    # such ports (and stages reached only through those) never sees the request; see runtime/routing.py.
+    # A port's value ABSENT in a finished emission's outputs declares it too.
+    absent_ports: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.finished and self.outputs and any(v is ABSENT for v in self.outputs.values()):
+            absent = [p for p, v in self.outputs.items() if v is ABSENT]
+            self.outputs = {p: v for p, v in self.outputs.items() if v is not ABSENT}
+            self.absent_ports = (*self.absent_ports, *absent)
 
 
 @dataclass
