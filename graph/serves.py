@@ -97,6 +97,7 @@ class ServeSpec:
     family: str
     ports: dict[str, str]
     params: list[str] = field(default_factory=list)
+    speech_params: list[str] = field(default_factory=list)  # stages taking the voice (chat with audio)
     pos: SourcePos | None = None
 
     def port(self, role: str) -> str | None:
@@ -148,11 +149,11 @@ def _check_family(family, body, at, inputs, outputs, stages, report) -> ServeSpe
     ports: dict[str, str] = {}
     for key, value in m.entries.items():
         key_at = m.key_pos[key]
-        if key == "params":
+        if key in ("params", "speech_params"):
             continue
         role = family.roles.get(key)
         if role is None:
-            choices = [*family.roles, "params"]
+            choices = [*family.roles, "params", "speech_params"]
             report.add(
                 key_at,
                 f"unknown key {key!r} in {where}{did_you_mean(key, choices)}; expected one of: {', '.join(choices)}",
@@ -184,9 +185,10 @@ def _check_family(family, body, at, inputs, outputs, stages, report) -> ServeSpe
             report.add(at, f"{where}: missing required field {key!r} ({role.doc})")
             ok = False
     params = _param_stages(m.get("params"), where, stages, report)
-    if params is None or not ok:
+    speech = _param_stages(m.get("speech_params"), f"{where}.speech", stages, report)
+    if params is None or speech is None or not ok:
         return None
-    return ServeSpec(family.name, ports, params, at)
+    return ServeSpec(family.name, ports, params, speech, at)
 
 
 def _param_stages(node: Node | None, where: str, stages: set[str], report: Report) -> list[str] | None:
@@ -215,10 +217,9 @@ def json_schema() -> dict:
     families = {}
     for fam in FAMILIES.values():
         props = {k: {"type": "string", "description": r.doc} for k, r in fam.roles.items()}
-        props["params"] = {
-            "description": "stage(s) receiving this API's per-request fields",
-            "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
-        }
+        stage_list = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+        props["params"] = {"description": "stage(s) receiving this API's per-request fields", **stage_list}
+        props["speech_params"] = {"description": "stage(s) receiving the voice of spoken output", **stage_list}
         families[fam.name] = {
             "type": "object",
             "description": fam.doc,

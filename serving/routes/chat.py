@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from omnistage.serving.deps import unless_disconnected
+from omnistage.serving.routes.chat_audio import audio_params, message_audio, pcm16_b64, wants_audio
 from omnistage.serving.routes.chat_input import pipeline_inputs
 from omnistage.serving.routes.chat_models import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
@@ -42,15 +43,16 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
         raise UnsupportedError("logit_bias is not supported yet", param="logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise UnsupportedError("top_logprobs needs logprobs: true", param="top_logprobs")
-    if body.modalities and "audio" in body.modalities:
-        raise UnsupportedError("audio output is not served by this route yet", param="modalities")
     check_stream_options(body)
 
 
-def _stage_params(served: Served, body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+def _stage_params(served: Served, body: ChatCompletionRequest, spoken: bool) -> dict[str, dict[str, Any]]:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    return served.stage_params(body.sampling_fields(max_tokens, top))
+    params = served.stage_params(body.sampling_fields(max_tokens, top))
+    for stage, values in audio_params(served, body, spoken).items():
+        params.setdefault(stage, {}).update(values)
+    return params
 
 
 @router.post(
@@ -61,21 +63,26 @@ def _stage_params(served: Served, body: ChatCompletionRequest) -> dict[str, dict
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     served = served_pipeline(request, body.model, "chat")
     _check_unsupported(body)
+    spoken = wants_audio(served, body)
     inputs = pipeline_inputs(served, body.messages)
-    params = _stage_params(served, body)
+    params = _stage_params(served, body, spoken)
     tokenizer = tokenizer_for(served) if body.logprobs else None
     request_id = new_id("chatcmpl")
     if body.stream:
-        return await _stream(request, served, body, inputs, params, request_id, tokenizer)
+        return await _stream(request, served, body, inputs, params, request_id, tokenizer, spoken)
     outputs = await unless_disconnected(request, served.pipeline.generate(inputs, params, request_id=request_id))
     info = outputs.get(served.port("info")) if served.port("info") else None
     choices = []
     for c in choices_of(outputs.get(served.port("text")) or "", info, body.n):
         logprobs = chat_logprobs(tokenizer, c.get("logprobs") or []) if tokenizer is not None else None
+        message = {"role": "assistant", "content": c["text"], "refusal": None}
+        if spoken and c["index"] == 0:  # the speech stages speak sequence 0
+            message["content"] = None
+            message["audio"] = message_audio(outputs[served.port("audio")], body.audio.format, c["text"])
         choices.append(
             {
                 "index": c["index"],
-                "message": {"role": "assistant", "content": c["text"], "refusal": None},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason(c["finish_reason"]),
             }
@@ -93,10 +100,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
 
 
-async def _stream(request, served: Served, body, inputs, params, request_id, tokenizer) -> StreamingResponse:
+async def _stream(request, served: Served, body, inputs, params, request_id, tokenizer, spoken) -> StreamingResponse:
     stream = served.pipeline.stream(inputs, params, request_id=request_id)
     first = await first_then_rest(request, stream)
-    created, text_port, info_port = now(), served.port("text"), served.port("info")
+    created, text_port, info_port, audio_port = now(), served.port("text"), served.port("info"), served.port("audio")
+    audio_id = new_id("audio")
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -113,7 +121,11 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
         info = None
         async for item in first:
             if item.port == text_port and item.data:
-                yield chunk([{"index": 0, "delta": {"content": item.data}, "logprobs": None, "finish_reason": None}])
+                delta = {"audio": {"id": audio_id, "transcript": item.data}} if spoken else {"content": item.data}
+                yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+            elif spoken and item.port == audio_port and item.data is not None and len(item.data):
+                delta = {"audio": {"id": audio_id, "data": pcm16_b64(item.data)}}
+                yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
             elif item.port == info_port and item.data is not None:
                 info = item.data
         for c in choices_of("", info, body.n):

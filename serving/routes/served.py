@@ -48,14 +48,14 @@ class Served:
     def port(self, role: str) -> str | None:
         return self.serve.port(role)
 
-    def stage_params(self, fields: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """Each `params:` stage gets the fields its kind declares as per-request params.
-        A field no listed stage takes is refused, naming it."""
+    def stage_params(self, fields: dict[str, Any], stages: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Each `params:` stage (or each of `stages`) gets the fields its kind declares as
+        per-request params. A field no listed stage takes is refused, naming it."""
         from omnistage.stages.params import kind_params
 
         out: dict[str, dict[str, Any]] = {}
         taken: set[str] = set()
-        for stage in self.serve.params:
+        for stage in self.serve.params if stages is None else stages:
             declared = kind_params(self.spec.stages[stage].kind).request
             mine = {k: v for k, v in fields.items() if k in declared}
             taken |= set(mine)
