@@ -230,8 +230,8 @@ class ThinkerStage(ARLMStage):
             chunk = self._talker_chunk(feed, hidden)
             if chunk is not None:
                 emission.outputs["talker_embeds"] = chunk
-        if emission.finished:
-            self._feeds.pop(live.request_id, None)
+        if emission.finished and self._feeds.pop(live.request_id, None) is None:
+            emission.absent_ports = ("talker_embeds",)  # a text answer: talker and token2wav never see it
         if not emission.outputs and not emission.finished:
             return None
         return emission

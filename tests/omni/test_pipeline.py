@@ -76,16 +76,29 @@ def test_image_and_audio_in_text_out_equals_transformers(omni_pipeline, omni_dir
     assert out["info"]["usage"]["completion_tokens"] == N_TEXT
 
 
-def test_text_only_request_makes_no_speech(omni_pipeline, omni_dir, omni_ref):
+def _requests_seen(pipeline, stage: str) -> int:
+    return sum(sum(r["outcomes"].values()) for r in pipeline.replica_stats()[stage])
+
+
+@pytest.mark.parametrize("text_only", [{"return_audio": False}, {"modalities": ["text"]}])
+def test_text_only_request_never_reaches_talker_or_token2wav(omni_pipeline, omni_dir, omni_ref, text_only):
+    """The thinker declares its talker port absent: talker and token2wav never see the request
+    (their workers count no request), the speech outputs end empty."""
     from transformers import AutoTokenizer
 
     messages = _messages(0, "Tell me a short story about the sea.")
     tokens, _, _ = _reference(omni_ref, omni_dir, messages, [], False, N_TEXT)
-    out = omni_pipeline.run({"messages": messages}, _params(False), timeout=120)
+    before = {s: _requests_seen(omni_pipeline, s) for s in ("thinker", "talker", "token2wav")}
+    params = _params(True)
+    del params["thinker"]["return_audio"]
+    params["thinker"].update(text_only)
+    out = omni_pipeline.run({"messages": messages}, params, timeout=120)
     tok = AutoTokenizer.from_pretrained(str(omni_dir))
     assert out["text"] == tok.decode(tokens, skip_special_tokens=True)
-    assert not out["codes"] and out["audio"] is None or len(out["audio"]) == 0
-    assert out["speech_info"]["finish_reason"] == "no_speech"
+    assert out["info"]["usage"]["completion_tokens"] == N_TEXT
+    assert not out["codes"] and out["audio"] is None and out["speech_info"] is None
+    after = {s: _requests_seen(omni_pipeline, s) for s in ("thinker", "talker", "token2wav")}
+    assert {s: after[s] - before[s] for s in after} == {"thinker": 1, "talker": 0, "token2wav": 0}
 
 
 def test_first_audio_leaves_before_the_thinker_finishes(omni_pipeline):
