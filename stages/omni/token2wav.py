@@ -24,51 +24,58 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.omni.token2wav_model import OdeSettings, load_token2wav
 from omnistage.stages.omni.token2wav_windows import RequestNoise, Span, Token2WavRequest, WindowSettings
+from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
-# name -> (types, lower bound or None, where it may be set: "stage", "request" or "both")
-_INT, _NUM = (int,), (int, float)
-PARAMS: dict[str, tuple[tuple[type, ...], float | None, str]] = {
-    "voice": ((str,), None, "both"),
-    "speaker": ((str,), None, "request"),
-    "seed": (_INT, 0, "request"),
-    "mode": ((str,), None, "both"),
-    "first_window_blocks": (_INT, 1, "both"),
-    "window_blocks": (_INT, 1, "both"),
-    "past_blocks": (_INT, 0, "both"),
-    "future_blocks": (_INT, 0, "both"),
-    "vocoder_overlap": (_INT, 0, "both"),
-    "num_steps": (_INT, 2, "both"),
-    "guidance_scale": (_NUM, 0, "both"),
-    "sway_coefficient": (_NUM, None, "both"),
-    "max_codes": (_INT, 1, "stage"),
-    "windows_per_request": (_INT, 1, "stage"),
-    "end_codes": ((list, tuple), None, "stage"),
-    "weight_prefix": ((str,), None, "stage"),
-    "voices_file": ((str,), None, "stage"),
-}
 MODES = ("stream", "full")
-
-
-def param_problems(params: dict[str, Any], where: str) -> list[tuple[str, str]]:
-    """(name, message) for each bad or unknown key of stage (`where="stage"`) or request params."""
-    problems = []
-    for name, value in (params or {}).items():
-        spec = PARAMS.get(name)
-        if spec is None or spec[2] not in (where, "both"):
-            allowed = sorted(k for k, s in PARAMS.items() if s[2] in (where, "both"))
-            problems.append((name, f"unknown token2wav {where} param {name!r} (known: {', '.join(allowed)})"))
-            continue
-        types, low, _ = spec
-        if not isinstance(value, types) or isinstance(value, bool):
-            problems.append((name, f"{name} must be {' or '.join(t.__name__ for t in types)}, got {value!r}"))
-        elif low is not None and value < low:
-            problems.append((name, f"{name} must be >= {low}, got {value!r}"))
-        elif name == "mode" and value not in MODES:
-            problems.append((name, f"mode must be one of {', '.join(MODES)}, got {value!r}"))
-        elif name == "end_codes" and not all(isinstance(c, int) for c in value):
-            problems.append((name, f"end_codes must be a list of integers, got {value!r}"))
-    return problems
+_ODE, _WINDOW = OdeSettings(), WindowSettings()
+# Set under the stage's YAML params these are its defaults; a request may override each one.
+_WINDOW_AND_ODE = (
+    Param(
+        "voice",
+        "string",
+        None,
+        "Voice from the checkpoint's spk_dict.pt (default: Chelsie, else the first).",
+        nullable=True,
+    ),
+    Param(
+        "mode",
+        "string",
+        "stream",
+        "stream: audio window by window as codes come; full: one decode at the end.",
+        choices=MODES,
+    ),
+    Param("first_window_blocks", "integer", _WINDOW.first_blocks, "DiT blocks in a request's first window.", minimum=1),
+    Param("window_blocks", "integer", _WINDOW.steady_blocks, "DiT blocks in each later window.", minimum=1),
+    Param("past_blocks", "integer", _WINDOW.past_blocks, "Blocks of left context a window attends to.", minimum=0),
+    Param("future_blocks", "integer", _WINDOW.future_blocks, "Blocks of look-ahead a window waits for.", minimum=0),
+    Param("vocoder_overlap", "integer", _WINDOW.vocoder_overlap, "Mel frames re-vocoded at a window seam.", minimum=0),
+    Param("num_steps", "integer", _ODE.num_steps, "ODE solver steps per window.", minimum=2),
+    Param("guidance_scale", "number", _ODE.guidance_scale, "Classifier-free guidance scale.", minimum=0),
+    Param("sway_coefficient", "number", _ODE.sway_coefficient, "Sway-sampling coefficient of the ODE time grid."),
+)
+STAGE_PARAMS = ParamSet(
+    "token2wav stage",
+    _WINDOW_AND_ODE
+    + (
+        Param("max_codes", "integer", 16384, "Most codec tokens one request may send.", minimum=1),
+        Param("windows_per_request", "integer", 1, "Most windows of one request in one forward.", minimum=1),
+        Param("end_codes", "integer_list", (), "Codec ids that end a request's codes (the talker's end id)."),
+        Param(
+            "weight_prefix", "string", None, "Weights' prefix in the checkpoint (default: the model's).", nullable=True
+        ),
+        Param("voices_file", "string", None, "Voices file (default: spk_dict.pt beside the weights).", nullable=True),
+    ),
+)
+# A request's value overrides the stage's, which is therefore its default.
+REQUEST_PARAMS = ParamSet(
+    "token2wav request",
+    tuple(replace(p, default=None, description=f"{p.description} Default: the stage's.") for p in _WINDOW_AND_ODE)
+    + (
+        Param("speaker", "string", None, "Another name for voice.", nullable=True),
+        Param("seed", "integer", None, "Seed of the request's ODE noise (default: random).", minimum=0, nullable=True),
+    ),
+)
 
 
 def _codes_of(chunk: Any) -> list[int]:
@@ -90,19 +97,14 @@ class Token2WavStage(StageEngine):
     batching_policies = ("dynamic", "none")
     needs_model = True
     sample_rate = 24_000
-
-    @classmethod
-    def validate_params(cls, params):
-        return [msg for _, msg in param_problems(params, "stage")]
+    stage_params = STAGE_PARAMS
+    request_params = REQUEST_PARAMS
 
     def __init__(self, ctx: StageContext):
         super().__init__(ctx)
-        p = dict(ctx.params or {})
-        problems = self.validate_params(p)
-        if problems:
-            raise ValueError("; ".join(problems))
-        prefix = p.get("weight_prefix", ctx.model_prefix)
-        self.net = load_token2wav(str(ctx.model_path), ctx.device, prefix, p.get("voices_file"))
+        p = STAGE_PARAMS.validate(ctx.params)
+        prefix = ctx.model_prefix if p["weight_prefix"] is None else p["weight_prefix"]
+        self.net = load_token2wav(str(ctx.model_path), ctx.device, prefix, p["voices_file"])
         self.defaults = p
         self.default_voice = p.get("voice") or (
             "Chelsie" if "Chelsie" in self.net.voices else next(iter(self.net.voices))
@@ -111,10 +113,10 @@ class Token2WavStage(StageEngine):
             raise ValueError(
                 f"voice {self.default_voice!r} is not in the checkpoint's voices {sorted(self.net.voices)}"
             )
-        self.max_codes = int(p.get("max_codes", 16384))
-        self.end_codes = set(p.get("end_codes", ()))
-        self.max_windows = max(1, int(getattr(ctx.batching, "max_batch_size", 8) or 8))
-        self.windows_per_request = int(p.get("windows_per_request", 1))
+        self.max_codes = p["max_codes"]
+        self.end_codes = set(p["end_codes"])
+        self.max_windows = max(1, ctx.batching.max_batch_size)
+        self.windows_per_request = p["windows_per_request"]
         self.requests: dict[str, Token2WavRequest] = {}
         self._pending: list[Emission] = []
         self.totals = {"forwards": 0, "windows": 0, "max_windows_per_forward": 0, "audio_seconds": 0.0}
@@ -135,10 +137,8 @@ class Token2WavStage(StageEngine):
         return ode, replace(win, full=merged.get("mode", "stream") == "full")
 
     def _new_request(self, request: StageRequest) -> Token2WavRequest:
-        params = dict(request.params or {})
-        problems = param_problems(params, "request")
-        if problems:
-            raise InvalidRequestError(problems[0][1], param=problems[0][0])
+        # unfilled: a key the request leaves out keeps the stage's value
+        params = REQUEST_PARAMS.validate(request.params, fill_defaults=False)
         name = params.get("voice") or params.get("speaker") or self.default_voice
         if name not in self.net.voices:
             raise InvalidRequestError(

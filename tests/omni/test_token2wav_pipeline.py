@@ -107,9 +107,9 @@ def test_bad_stage_params_fail_validation_with_positions(tmp_path):
         load_pipeline(str(path))
     text = str(info.value)
     for expected in (
-        "past_blocks must be >= 0",
+        "past_blocks must be an integer >= 0",
         "mode must be one of stream, full",
-        "unknown token2wav stage param 'colour'",
+        "unknown token2wav stage parameter 'colour'",
     ):
         assert expected in text
     assert f"{path}:" in text
