@@ -9,6 +9,7 @@ GET    /v1/jobs/{id}/events           SSE of the job's event log; resumes after 
 GET    /v1/jobs/{id}/outputs/{name}   an output file (Range requests answered)
 WS     /v1/jobs/{id}/stream           the events as JSON text frames, and the video as binary
                                       fragmented-MP4 segments while the VAE decodes it
+GET    /v1/jobs/{id}/stream           the same video segments as one chunked video/mp4 download
 
 The router's lifespan starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
 the jobs directory must belong to this server alone (a lock file says so); when another server
@@ -28,9 +29,10 @@ from fastapi import APIRouter, FastAPI, Header, Query, Request, WebSocket, WebSo
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from omnistage.errors import InvalidRequestError
 from omnistage.serving.errors import ServiceUnavailableError
-from omnistage.serving.jobs.model import JobsConfig
-from omnistage.serving.jobs.outputs import output_path
+from omnistage.serving.jobs.model import Job, JobsConfig, JobStatus
+from omnistage.serving.jobs.outputs import output_formats, output_path
 from omnistage.serving.jobs.service import JobNotFoundError, JobService
 from omnistage.streaming.sse import SSE_HEADERS, SSE_MEDIA_TYPE, sse_comment, sse_event
 
@@ -244,10 +246,54 @@ async def _send_stream(websocket: WebSocket, service: JobService, job_id: str) -
 
 async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> None:
     job = service.store.get_job(job_id)
-    for value in (job.outputs if job is not None else {}).values():
+    path = _video_file(service, job) if job is not None else None
+    if path is not None:
+        await websocket.send_bytes(await asyncio.to_thread(path.read_bytes))
+
+
+@router.get("/v1/jobs/{job_id}/stream")
+async def job_stream_download(job_id: str, request: Request):
+    service = jobs_service(request)
+    job = service.get(job_id)
+    if not any(f.port_type == "video" and f.format == "mp4" for f in _formats(service, job).values()):
+        raise InvalidRequestError(f"job {job_id} has no MP4 video output to stream", param="id")
+
+    async def segments():
+        sent, live = 0, None
+        while True:
+            live = live or service.scheduler.live.get(job_id)
+            if live is not None:
+                for segment in live.segments[sent:]:
+                    yield segment
+                sent = len(live.segments)
+                if live.done:
+                    return
+            else:
+                current = service.store.get_job(job_id)
+                if current is None or current.status.finished:
+                    if current is not None and current.status is JobStatus.COMPLETED:
+                        path = _video_file(service, current)
+                        if path is not None:
+                            yield await asyncio.to_thread(path.read_bytes)
+                    return
+            async with service.changed:
+                try:
+                    await asyncio.wait_for(service.changed.wait(), POLL_S)
+                except TimeoutError:
+                    pass
+
+    return StreamingResponse(segments(), media_type="video/mp4")
+
+
+def _formats(service: JobService, job: Job) -> dict:
+    entry = service.registry.entry(job.model)
+    spec = None if entry is None else (entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None))
+    return output_formats(spec, job.output_format) if spec is not None else {}
+
+
+def _video_file(service: JobService, job: Job):
+    for value in job.outputs.values():
         for file in value.get("files", ()) if isinstance(value, dict) else ():
             if file["media_type"] == "video/mp4":
-                path = output_path(service.config.outputs_dir, job_id, file["name"])
-                if path is not None:
-                    await websocket.send_bytes(await asyncio.to_thread(path.read_bytes))
-                return
+                return output_path(service.config.outputs_dir, job.id, file["name"])
+    return None

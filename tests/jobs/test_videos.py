@@ -133,3 +133,26 @@ def test_websocket_streams_fmp4_segments_before_the_job_completes(video_server):
         raw = np.asarray(raw, dtype=np.float64)
         assert raw.shape == (41, 96, 96, 3)
         assert np.abs(np.stack(decoded).astype(np.float64) - raw).mean() < 4.0  # H.264 at crf 18
+
+
+def test_chunked_http_download_starts_before_the_job_completes(video_server):
+    import time
+
+    params = {"height": 96, "width": 96, "num_frames": 41, "num_inference_steps": 2, "seed": 6}
+    with httpx.Client(base_url=video_server.url, timeout=120) as client:
+        job = client.post(
+            "/v1/jobs", json={"model": "tiny-video", "inputs": {"prompt": "rain"}, "params": {"denoiser": params}}
+        ).json()
+        arrivals, data = [], b""
+        with client.stream("GET", f"/v1/jobs/{job['id']}/stream") as response:
+            assert response.status_code == 200 and response.headers["content-type"] == "video/mp4"
+            for chunk in response.iter_raw():
+                arrivals.append(time.time())
+                data += chunk
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        assert done["status"] == "completed"
+        assert arrivals[0] < done["finished_at"] - 0.1, "the download began only when the job ended"
+        assert data == client.get(done["outputs"]["video"]["files"][0]["url"]).content
+        assert len(_frames(data)) == 41
+        # a finished job streams its whole file
+        assert client.get(f"/v1/jobs/{job['id']}/stream").content == data
