@@ -7,10 +7,10 @@ Each section (the top level, a stage, a pool, ...) maps key -> Field. Scalar con
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from omnistage.graph.spec import BATCHING_POLICIES, DTYPES
+from omnistage.stages.contracts import MEMORY_PATTERN, memory_bytes  # noqa: F401 (read as F.memory_bytes)
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,6 @@ class Field:
 NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
 PIPELINE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 DEVICE_PATTERN = r"^(cpu|cuda(:[0-9]+)?)$"
-MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?\s*(B|[KMGT]i?B|[KMGT])?$"
 
 PIPELINE = {
     "name": Field(
@@ -143,30 +142,3 @@ LIMITS = {
         "number", "Default per-request deadline in seconds (null: none).", exclusive_minimum=0, nullable=True
     ),
 }
-
-_MEMORY_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "M": 1000**2,
-    "G": 1000**3,
-    "T": 1000**4,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-}
-
-
-def memory_bytes(text: str) -> int:
-    """`2GiB` -> 2147483648; raises ValueError on anything else."""
-    match = re.fullmatch(MEMORY_PATTERN, text.strip())
-    if match is None:
-        raise ValueError(f"malformed memory size {text!r}")
-    number = re.match(r"[0-9.]+", text.strip()).group(0)
-    unit = (match.group(2) or "").upper()
-    return int(float(number) * _MEMORY_UNITS[unit])

@@ -3,10 +3,13 @@
 This module sits beneath both: the graph validates port types against `PORT_TYPES`, engines
 and the runtime join a port's chunks with `combine_chunks`, and a failed request becomes an
 `Emission` through `error_emission` wherever it fails (inside an engine or in its worker).
+A memory size ("2GiB") is read by `memory_bytes` both where the pipeline file is checked and
+in engines that take a size param.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from omnistage.errors import InvalidRequestError
@@ -65,3 +68,32 @@ def error_emission(request_id: str, exc: BaseException) -> Emission:
     if isinstance(exc, InvalidRequestError):
         return Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request", param=exc.param)
     return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind="internal")
+
+
+MEMORY_PATTERN = r"^[0-9]+(\.[0-9]+)?\s*(B|[KMGT]i?B|[KMGT])?$"
+_MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "M": 1000**2,
+    "G": 1000**3,
+    "T": 1000**4,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
+
+
+def memory_bytes(text: str) -> int:
+    """`2GiB` -> 2147483648; raises ValueError on anything else."""
+    match = re.fullmatch(MEMORY_PATTERN, text.strip())
+    if match is None:
+        raise ValueError(f"malformed memory size {text!r}")
+    number = re.match(r"[0-9.]+", text.strip()).group(0)
+    unit = (match.group(2) or "").upper()
+    return int(float(number) * _MEMORY_UNITS[unit])

@@ -437,6 +437,6 @@ def _chat_chars(messages: Any) -> int:
 def _parse_bytes(value: int | str) -> int:
     if isinstance(value, int):
         return value
-    from omnistage.graph.fields import memory_bytes
+    from omnistage.stages.contracts import memory_bytes
 
     return memory_bytes(value)
