@@ -135,7 +135,8 @@ class _Request:
 @register_stage("talker")
 class TalkerStage(StageEngine):
     inputs = {"talker_embeds": Port("hidden_states", streaming=True)}
-    outputs = {"codes": Port("tokens", streaming=True), "info": Port("json")}
+    # voice: the request's voice, sent once before its first codes (token2wav takes it as its own)
+    outputs = {"voice": Port("json", streaming=True), "codes": Port("tokens", streaming=True), "info": Port("json")}
     batching_policies = ("continuous",)
     needs_model = True
     stage_params = STAGE_PARAMS
@@ -296,9 +297,12 @@ class TalkerStage(StageEngine):
 
     def _emission(self, req: _Request, out) -> Emission:
         new = [t for t in out.new_token_ids if t not in (self.setup.codec_pad, self.setup.codec_end)]
+        outputs: dict[str, Any] = {"codes": new}
+        if not req.codes:  # the first codes: the voice goes first, so token2wav has it before them
+            outputs = {"voice": req.voice, "codes": new}
         req.codes.extend(new)
         if not out.finished:
-            return Emission(req.request_id, outputs={"codes": new})
+            return Emission(req.request_id, outputs=outputs)
         req.finish_reason = out.finish_reason
         del self._requests[req.request_id]
         info = {
@@ -306,4 +310,4 @@ class TalkerStage(StageEngine):
             "voice": req.voice,
             "usage": {"prompt_tokens": out.num_prompt_tokens, "codec_tokens": len(req.codes)},
         }
-        return Emission(req.request_id, outputs={"codes": new, "info": info}, finished=True)
+        return Emission(req.request_id, outputs={**outputs, "info": info}, finished=True)

@@ -92,7 +92,8 @@ def _codes_of(chunk: Any) -> list[int]:
 
 @register_stage("token2wav")
 class Token2WavStage(StageEngine):
-    inputs: ClassVar[dict[str, Port]] = {"codes": Port("tokens", streaming=True)}
+    # voice: the talker's voice name, sent before its first codes (the request's own voice param wins)
+    inputs: ClassVar[dict[str, Port]] = {"codes": Port("tokens", streaming=True), "voice": Port("json", streaming=True)}
     outputs: ClassVar[dict[str, Port]] = {"audio": Port("audio", streaming=True)}
     batching_policies = ("dynamic", "none")
     needs_model = True
@@ -139,16 +140,14 @@ class Token2WavStage(StageEngine):
     def _new_request(self, request: StageRequest) -> Token2WavRequest:
         # unfilled: a key the request leaves out keeps the stage's value
         params = REQUEST_PARAMS.validate(request.params, fill_defaults=False)
-        name = params.get("voice") or params.get("speaker") or self.default_voice
-        if name not in self.net.voices:
-            raise InvalidRequestError(
-                f"unknown voice {name!r}; available: {', '.join(sorted(self.net.voices))}", param="voice"
-            )
+        named = params.get("voice") or params.get("speaker")
+        voice = self._voice(named or self.default_voice)
         ode, windows = self._settings(params)
         seed = params.get("seed")
         return Token2WavRequest(
             request_id=request.request_id,
-            voice=self.net.voices[name],
+            voice=voice,
+            voice_named=bool(named),
             ode=ode,
             windows=windows,
             noise=RequestNoise(random.randrange(2**63) if seed is None else seed, self.net.mel_dim),
@@ -156,6 +155,13 @@ class Token2WavStage(StageEngine):
             repeats=self.net.repeats,
             arrival=request.arrival,
         )
+
+    def _voice(self, name: Any):
+        if name not in self.net.voices:
+            raise InvalidRequestError(
+                f"unknown voice {name!r}; available: {', '.join(sorted(self.net.voices))}", param="voice"
+            )
+        return self.net.voices[name]
 
     def add(self, request: StageRequest) -> None:
         rid = request.request_id
@@ -189,7 +195,11 @@ class Token2WavStage(StageEngine):
         if state is None:
             return
         try:
-            self._take_codes(state, chunk, last)
+            if port == "voice":
+                if chunk and not state.voice_named and not state.known:
+                    state.voice = self._voice(chunk)
+            else:
+                self._take_codes(state, chunk, last)
         except InvalidRequestError as exc:
             del self.requests[request_id]
             self._pending.append(Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request"))

@@ -98,6 +98,7 @@ class Token2WavRequest:
     max_codes: int
     repeats: int
     arrival: float
+    voice_named: bool = False  # the request's params named the voice (a `voice` input then does not change it)
     codes: list[int] = field(default_factory=list)
     ended: bool = False
     written: int = 0  # mel frames the DiT has finished

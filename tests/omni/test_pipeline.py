@@ -175,3 +175,22 @@ def test_eight_concurrent_requests_get_what_they_get_alone(omni_pipeline):
             assert got_audio.shape == audio.shape
             torch.testing.assert_close(got_audio, audio, rtol=0, atol=1e-4)
     assert len({c for _, codes, _ in alone for c in codes}) >= 10
+
+
+def test_voice_named_once_reaches_token2wav(omni_pipeline):
+    """The talker forwards its voice to token2wav: naming it for the talker alone gives the same
+    speech as naming it on both stages; token2wav's own voice param still wins (token2wav's
+    default, Chelsie, differs from the talker's Ethan here)."""
+    messages = _messages(1, "Say something.")
+    inputs = {"messages": messages, "audio": [{"samples": _clip(0.7, 5), "sampling_rate": 16000}]}
+
+    def speech(token2wav: dict) -> torch.Tensor:
+        params = _params(True, "Ethan")
+        params["token2wav"] = {"seed": 0, **token2wav}
+        out = omni_pipeline.run(inputs, params, timeout=120)
+        return torch.as_tensor(out["audio"]).reshape(-1)
+
+    once, both, other = speech({}), speech({"voice": "Ethan"}), speech({"voice": "Chelsie"})
+    assert once.numel() > 0 and once.abs().max() > 1e-3
+    torch.testing.assert_close(once, both, rtol=0, atol=1e-6)
+    assert once.shape == other.shape and (once - other).abs().max() > 1e-3
