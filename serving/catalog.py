@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from omnistage.graph.spec import PIPELINE_OUTPUTS
 from omnistage.serving.media import FORMATS_BY_PORT_TYPE
 from omnistage.stages.diffusion.limits import stage_limits
 
@@ -57,7 +58,7 @@ def _zeros(tensor: Any) -> Any:
 
 
 def _outputs(spec: Any) -> dict[str, dict[str, Any]]:
-    streamed = {e.dst.port for e in spec.edges if e.dst.stage == "outputs" and e.stream is not None}
+    streamed = {e.dst.port for e in spec.in_edges(PIPELINE_OUTPUTS) if e.streaming}
     out = {}
     for port, port_type in spec.outputs.items():
         entry: dict[str, Any] = {"type": port_type, "streamed": port in streamed}
