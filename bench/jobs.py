@@ -1,0 +1,256 @@
+"""`omnistage bench jobs [--quick] [--json FILE]`: what the jobs layer costs, and what survives a crash.
+
+Phases, one after the other, on tiny-image (64x64, 2 denoiser steps per job):
+- python: the same requests through `Pipeline.generate` in this process, at most
+  OMNISTAGE_JOBS_MAX_RUNNING (8) at once, as the jobs scheduler admits them;
+- jobs: an `omnistage serve tiny-image` subprocess; all jobs POSTed at once from a thread pool
+  (submit latency per request), each with a webhook to a local receiver; throughput from the
+  first submission to the last completion; webhook latency = arrival at the receiver minus the
+  job's finished_at (same machine clock);
+- crash: a fresh server; jobs submitted with idempotency keys and webhooks, the server killed
+  with SIGKILL (workers too) while they run, started again, every job resubmitted with its key.
+Reported (docs/BENCHMARKS.md): submit_ms_p99 (<= 20), ratios.jobs_vs_python_throughput
+(>= 0.95), webhook_ms_p50 (<= 50), crash.lost_jobs / crash.lost_webhook_events /
+crash.duplicate_jobs (all 0). `--quick`: 40 jobs instead of 1,000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+
+SECRET = "whsec_" + base64.b64encode(b"omnistage-bench-jobs-secret-01").decode()
+PARAMS = {"denoiser": {"width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}}
+MAX_RUNNING = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Receiver:
+    """Local webhook receiver: job id -> arrival times of its job.completed messages."""
+
+    def __init__(self):
+        self.completed: dict[str, list[float]] = {}
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                if body["type"] == "job.completed":
+                    receiver.completed.setdefault(body["data"]["id"], []).append(time.time())
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+
+def _start_server(directory: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PYTHONSAFEPATH": "1",
+        "OMNISTAGE_JOBS_DIR": str(directory),
+        "OMNISTAGE_WEBHOOK_SECRETS": SECRET,
+        "OMNISTAGE_WEBHOOK_ALLOW": "127.0.0.0/8",
+        "OMNISTAGE_WEBHOOK_SCHEDULE": "0,0.2,0.5,1,2,4",
+        "OMNISTAGE_JOBS_MAX_RUNNING": str(MAX_RUNNING),
+    }
+    exe = Path(sys.executable).parent / "omnistage"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([str(exe), "serve", "tiny-image", "--port", str(port)], stdout=out, stderr=out, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited; see {log}")
+        time.sleep(0.2)
+    raise RuntimeError(f"server not ready; see {log}")
+
+
+def _kill_9(proc: subprocess.Popen) -> None:
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    grandchildren = [
+        g for c in children for g in subprocess.run(["pgrep", "-P", c], capture_output=True, text=True).stdout.split()
+    ]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for pid in children + grandchildren:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _job(i: int, hook: str) -> dict:
+    return {"model": "tiny-image", "inputs": {"prompt": f"job {i}"}, "params": PARAMS, "webhook": {"url": hook}}
+
+
+def _wait_all(client: httpx.Client, ids: list[str], timeout: float = 1800) -> list[dict]:
+    deadline, jobs = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        for job_id in ids:
+            if job_id not in jobs or jobs[job_id]["status"] not in ("completed", "failed", "canceled"):
+                jobs[job_id] = client.get(f"/v1/jobs/{job_id}").json()
+        if all(j["status"] in ("completed", "failed", "canceled") for j in jobs.values()):
+            return list(jobs.values())
+        time.sleep(0.2)
+    raise RuntimeError("jobs did not finish")
+
+
+def python_phase(n: int) -> float:
+    from omnistage.runtime.pipeline import Pipeline
+
+    with Pipeline.from_yaml("tiny-image") as pipeline:
+        pipeline.run({"prompt": "warm up"}, PARAMS)
+
+        async def run_all():
+            gate = asyncio.Semaphore(MAX_RUNNING)
+
+            async def one(i):
+                async with gate:
+                    await pipeline.generate({"prompt": f"job {i}"}, PARAMS)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(n)))
+            return time.perf_counter() - start
+
+        wall = asyncio.run(run_all())
+    return n / wall
+
+
+def jobs_phase(n: int, work: Path, receiver: Receiver) -> dict:
+    proc, url = _start_server(work / "jobs-phase", work / "server.log")
+    try:
+        with httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=32)) as client:
+            client.post("/v1/pipelines/tiny-image/run", json={"inputs": {"prompt": "warm"}, "params": PARAMS})
+
+            def submit(i):
+                t0 = time.perf_counter()
+                job = client.post("/v1/jobs", json=_job(i, receiver.url)).json()
+                return job["id"], (time.perf_counter() - t0) * 1000, time.time()
+
+            with ThreadPoolExecutor(16) as pool:
+                results = list(pool.map(submit, range(n)))
+            jobs = _wait_all(client, [r[0] for r in results])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(receiver.completed) < n:
+                time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    first_submit = min(r[2] for r in results)
+    wall = max(j["finished_at"] for j in jobs) - first_submit
+    latencies = sorted(r[1] for r in results)
+    webhook_ms = sorted(
+        (receiver.completed[j["id"]][0] - j["finished_at"]) * 1000 for j in jobs if j["id"] in receiver.completed
+    )
+    return {
+        "jobs_per_s": n / wall,
+        "submit_ms_p50": statistics.median(latencies),
+        "submit_ms_p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "webhook_ms_p50": statistics.median(webhook_ms) if webhook_ms else None,
+        "failed": sum(j["status"] != "completed" for j in jobs),
+    }
+
+
+def crash_phase(n: int, work: Path) -> dict:
+    receiver = Receiver()
+    directory = work / "crash-phase"
+    keys = [f"bench-crash-{i}" for i in range(n)]
+    proc, url = _start_server(directory, work / "crash-server.log")
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for i, key in enumerate(keys):
+            client.post("/v1/jobs", json=_job(i, receiver.url), headers={"Idempotency-Key": key})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(receiver.completed) < n // 4:
+            time.sleep(0.01)
+    _kill_9(proc)
+    proc, url = _start_server(directory, work / "crash-server.log")
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            ids = [
+                client.post("/v1/jobs", json=_job(i, receiver.url), headers={"Idempotency-Key": key}).json()["id"]
+                for i, key in enumerate(keys)
+            ]
+            jobs = _wait_all(client, ids)
+            listed = client.get("/v1/jobs", params={"limit": 100}).json()
+            total = len(listed["data"])
+            after = listed["data"][-1]["id"] if listed["data"] else None
+            while listed["has_more"]:
+                listed = client.get("/v1/jobs", params={"limit": 100, "after": after}).json()
+                total += len(listed["data"])
+                after = listed["data"][-1]["id"] if listed["data"] else after
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(receiver.completed) < n:
+                time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return {
+        "lost_jobs": sum(j["status"] != "completed" for j in jobs),
+        "duplicate_jobs": total - n,
+        "lost_webhook_events": sum(1 for i in ids if i not in receiver.completed),
+        "reruns": sum(j["attempts"] > 1 for j in jobs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omnistage bench jobs")
+    parser.add_argument("--quick", action="store_true", help="40 jobs instead of 1,000 (a smoke run)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    n = 40 if args.quick else 1000
+    with tempfile.TemporaryDirectory(prefix="omnistage-bench-jobs-") as tmp:
+        work = Path(tmp)
+        python_rate = python_phase(n)
+        jobs = jobs_phase(n, work, Receiver())
+        crash = crash_phase(max(8, n // 10), work)
+    result = {
+        "jobs": n,
+        "submit_ms_p99": round(jobs["submit_ms_p99"], 2),
+        "submit_ms_p50": round(jobs["submit_ms_p50"], 2),
+        "webhook_ms_p50": None if jobs["webhook_ms_p50"] is None else round(jobs["webhook_ms_p50"], 2),
+        "throughput": {"python_jobs_per_s": round(python_rate, 2), "jobs_per_s": round(jobs["jobs_per_s"], 2)},
+        "ratios": {"jobs_vs_python_throughput": round(jobs["jobs_per_s"] / python_rate, 3)},
+        "failed_jobs": jobs["failed"],
+        "crash": crash,
+    }
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
