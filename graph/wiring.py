@@ -171,13 +171,7 @@ def _source_type(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report) -
         return None
     port = info.outputs.get(src.port)
     if port is None:
-        report.add(
-            _port_pos(node, src),
-            f"stage {src.stage!r} (kind {info.kind_label}) has no "
-            f"output port {src.port!r}"
-            f"{did_you_mean(src.port, info.outputs)}; outputs: "
-            f"{', '.join(info.outputs) or 'none'}",
-        )
+        _no_such_port(node, src, info, "output", info.outputs, report)
         return None
     return port.type
 
@@ -204,15 +198,19 @@ def _dest(edge: EdgeInfo, stages, ports: PipelinePorts, report: Report):
         return (None, None)
     port = info.inputs.get(dst.port)
     if port is None:
-        report.add(
-            _port_pos(node, dst),
-            f"stage {dst.stage!r} (kind {info.kind_label}) has no "
-            f"input port {dst.port!r}"
-            f"{did_you_mean(dst.port, info.inputs)}; inputs: "
-            f"{', '.join(info.inputs) or 'none'}",
-        )
+        _no_such_port(node, dst, info, "input", info.inputs, report)
         return None
     return (port.type, port.streaming)
+
+
+def _no_such_port(
+    node: ScalarNode, end: Endpoint, info: StageInfo, direction: str, declared: dict, report: Report
+) -> None:
+    report.add(
+        _port_pos(node, end),
+        f"stage {end.stage!r} (kind {info.kind_label}) has no {direction} port {end.port!r}"
+        f"{did_you_mean(end.port, declared)}; {direction}s: {', '.join(declared) or 'none'}",
+    )
 
 
 def _stage(name: str, node: ScalarNode, stages: dict[str, StageInfo], report: Report, role: str) -> StageInfo | None:
