@@ -2,12 +2,10 @@
 
 An engine step makes and drops many multi-MB temporaries (projection outputs, logits,
 attention scratch). glibc serves each from a fresh mmap (or trims it off the heap top) and
-gives it back on free, so the next step pays a page fault per 4 KiB page again: ~440k minor
-faults per run of the AR benchmark workload here. On a VM with free page reporting (this
-machine: virtio-balloon page_reporting) pages given back are also handed to the host, and
-faulting them in again is slower still: right after another process freed 14 GiB, the
-benchmark's engine ran 552-630 tok/s (184k-493k faults) with the defaults and 615-630 tok/s
-(12k-16k faults) with these settings.
+gives it back on free, so the next step pays a page fault per 4 KiB page again. On a VM
+with free page reporting, pages given back are also handed to the host, and faulting them in
+again costs more still. Keeping freed memory in the heap avoids both (docs/runtime.md,
+"CPU settings", has the figures).
 
 Settings already in the environment (glibc's MALLOC_*_ variables) win, and
 OMNISTAGE_MALLOC_TUNING=0 turns this off.

@@ -1,12 +1,10 @@
 """How torch's OpenMP threads wait for each other between ops, for every process omnistage starts.
 
 Between two parallel ops a thread either spins or sleeps. Spinning without bound steals the
-core another stage (or tenant) needs: forwards ran 3-10x slower on a busy 2-core host with
-libgomp's default. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`) pays a futex wake-up on every
-op instead: on the quiet host a 55M-parameter LM forward was ~20% slower (416-token prefill
-105 ms vs 87 ms, 32 tokens over a cached prefix 21.8 ms vs 17.0 ms). A bounded spin keeps
-back-to-back ops fast and idles soon after the work stops (30000 spins: 91 ms / 17.2 ms).
-Settings already in the environment win.
+core another stage (or tenant) needs. Sleeping at once (`OMP_WAIT_POLICY=PASSIVE`) pays a
+futex wake-up on every op instead. A bounded spin keeps back-to-back ops fast and idles soon
+after the work stops (docs/runtime.md, "CPU settings", has the figures). Settings already in
+the environment win.
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ def encode(value: Any, pool: SegmentPool, nreaders: int) -> Any:
     if isinstance(value, dict):
         return {k: encode(v, pool, nreaders) for k, v in value.items()}
     if isinstance(value, list):
-        if _plain_scalars(value):  # token ids: a 416-token prompt took 125 us element by element
+        if _plain_scalars(value):  # token ids: copied whole, not encoded element by element
             return list(value)
         return [encode(v, pool, nreaders) for v in value]
     if isinstance(value, tuple):

@@ -217,8 +217,8 @@ class Worker:
             self.send(StartFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
             return
         # What exists now (imported modules, the model's Python objects) lives as long as the
-        # worker: frozen, it is no longer scanned by full collections, which otherwise stop
-        # the engine for ~50 ms (an ar_lm worker tracks ~300k objects) every few hundred steps.
+        # worker: frozen, it is no longer scanned by full collections, which otherwise pause
+        # the engine for a long scan of the model's objects every few hundred steps.
         gc.collect()
         gc.freeze()
         self._publish_engine_stats()

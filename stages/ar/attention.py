@@ -135,9 +135,8 @@ class DecodeBuffer:
 
     def reserve(self, rows: int, length: int) -> bool:
         """Allocate (and page in) the buffer for `rows` sequences of up to `length` tokens now,
-        at engine start, so the first batches do not pay for growing it step by step (~8% of
-        a first 64-request batch here). False when that would exceed the memory cap: the
-        buffer then grows on demand."""
+        at engine start, so the first batches do not pay for growing it step by step. False
+        when that would exceed the memory cap: the buffer then grows on demand."""
         bs = self.block_size
         length = -(-min(length, self.max_len) // bs) * bs
         if rows < 1 or length < 1:

@@ -1,13 +1,13 @@
 """CPU matmul against a pre-transposed [in, out] weight, split by output columns across threads.
 
 For the row counts of decode batches and short prefill chunks (tens of rows), MKL's sgemm
-divides the rows among its threads and each thread packs the whole weight matrix: two threads
-ran a 32-row GEMM only ~1.3x faster than one. A batched GEMM over column slabs of the weight
-(bmm runs its batch entries on separate threads) gives each thread one slab of the weight to
-pack and multiply instead: 25-30% less time at 32-64 rows and ~7% at 400 rows on this
-machine's two cores, with the same per-element dot products (bit-identical in tests here).
-Below `MIN_ROWS` rows the plain GEMM is as fast or faster, and from `MAX_ROWS` rows on MKL's own
-threading catches up (256 rows: no faster, and joining the slabs then costs more), so it stays.
+divides the rows among its threads and each thread packs the whole weight matrix, so a second
+thread adds little. A batched GEMM over column slabs of the weight (bmm runs its batch entries
+on separate threads) gives each thread one slab of the weight to pack and multiply instead,
+with the same per-element dot products (bit-identical). Below `MIN_ROWS` rows the plain GEMM
+is as fast or faster, and from `MAX_ROWS` rows on MKL's own threading catches up and joining
+the slabs costs more, so the plain GEMM stays. docs/ar-engine.md ("Performance notes") has
+the figures.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-MIN_ROWS = 24  # fewer rows: one mm (the split measured no faster at 16 rows)
-MAX_ROWS = 192  # more rows: one mm (128 rows: ~11% faster split; 256: no gain)
+MIN_ROWS = 24  # fewer rows: one mm (the split does not pay)
+MAX_ROWS = 192  # more rows: one mm (MKL's own threading has caught up)
 MIN_SLAB_COLS = 64  # narrower slabs waste each thread's GEMM kernel
 
 
@@ -47,8 +47,7 @@ def slab_view(weight_t: torch.Tensor, slabs: int) -> torch.Tensor:
 @dataclass
 class Workspace:
     """Reused output memory for one large matmul per step (the LM head): fresh multi-MB
-    tensors each step cost page faults once glibc trims its heap (a 64 x 32000 head measured
-    ~5 ms slower with a freshly allocated concatenation)."""
+    tensors each step cost page faults once glibc trims its heap."""
 
     slabs: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     out: torch.Tensor = field(default_factory=lambda: torch.empty(0))
