@@ -38,3 +38,18 @@ def test_cli_process_imports_cleanly_from_repo_root():
     )
     assert out.returncode == 0, out.stderr
     assert str(REPO) + "'" not in out.stdout and "''" not in out.stdout
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    # pyproject lists packages by hand (the root maps to `omnistage`); an editable install finds
+    # an unlisted folder anyway, so only this check notices a wheel that would leave it out.
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    skip = {"tests", "configs", "docs", "bench-results", "build", "dist"}
+    found = {
+        "omnistage." + ".".join(init.parent.relative_to(REPO).parts)
+        for init in REPO.rglob("__init__.py")
+        if init.parent != REPO and not (set(init.relative_to(REPO).parts) & skip) and ".venv" not in init.parts
+    }
+    assert found - listed == set()
