@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,7 +225,8 @@ class PreparedBatchEngine(DynamicBatchEngine):
 
     `prepare(request)` returns a tuple whose element 1 is the request's batch key; a raised
     `prepare_errors` exception is kept instead and handed back by `forward_batch` as that
-    request's own failure. Subclasses pop their entries from `self._parsed` in forward_batch.
+    request's own failure. Subclasses pop their entries from `self._parsed` in forward_batch
+    (`forward_items` does, for kinds that encode a list of items per request).
     """
 
     prepare_errors: tuple[type[BaseException], ...] = (Exception,)
@@ -251,3 +252,28 @@ class PreparedBatchEngine(DynamicBatchEngine):
     def batch_key(self, request: StageRequest) -> Hashable:
         parsed = self._parsed.get(request.request_id)
         return parsed[1] if isinstance(parsed, tuple) else ("error", request.request_id)
+
+    def forward_items(
+        self,
+        requests: list[StageRequest],
+        encode: Callable[[list[Any]], Sequence[Any]],
+        output: Callable[[list[Any], list[Any]], dict[str, Any]],
+    ) -> list[Any]:
+        """forward_batch for kinds whose `prepare` returns (items, key): the items of every
+        request in the batch go through one `encode` call (one result per item, in order),
+        and each request gets `output(its items, their results)`; a request whose prepare
+        failed gets its error. Entries stay until the forward succeeds, because a failed
+        batch is retried request by request."""
+        parsed = [self._parsed[r.request_id] for r in requests]
+        try:
+            items = [item for p in parsed if not isinstance(p, BaseException) for item in p[0]]
+            encoded = iter(encode(items) if items else [])
+            results = [
+                p if isinstance(p, BaseException) else output(p[0], [next(encoded) for _ in p[0]]) for p in parsed
+            ]
+        finally:
+            if len(requests) == 1:
+                self._parsed.pop(requests[0].request_id, None)
+        for r in requests:
+            self._parsed.pop(r.request_id, None)
+        return results

@@ -81,18 +81,8 @@ class AudioEncoderStage(PreparedBatchEngine):
         return [self.processor.audio_features(a) for a in items], None
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
-        # Entries stay until the forward succeeds: a failed batch is retried request by request.
-        parsed = [self._parsed[r.request_id] for r in requests]
-        try:
-            results: list[Any] = [p if isinstance(p, BaseException) else None for p in parsed]
-            features = [f.features for p in parsed if not isinstance(p, BaseException) for f in p[0]]
-            embeds = iter(encode_audio(self.tower, features) if features else [])
-            for i, p in enumerate(parsed):
-                if results[i] is None:
-                    results[i] = {"audio_embeds": [next(embeds) for _ in p[0]]}
-        finally:
-            if len(requests) == 1:
-                self._parsed.pop(requests[0].request_id, None)
-        for r in requests:
-            self._parsed.pop(r.request_id, None)
-        return results
+        return self.forward_items(
+            requests,
+            lambda items: encode_audio(self.tower, [f.features for f in items]),
+            lambda _items, embeds: {"audio_embeds": embeds},
+        )

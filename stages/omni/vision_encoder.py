@@ -151,21 +151,10 @@ class VisionEncoderStage(PreparedBatchEngine):
         return [self.patcher(load_image(x)) for x in items], None
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
-        # Entries stay until the forward succeeds: a failed batch is retried request by request.
-        parsed = [self._parsed[r.request_id] for r in requests]
-        try:
-            ok = [p for p in parsed if not isinstance(p, BaseException)]
-            items = [item for p in ok for item in p[0]]
-            embeds = iter(encode_images(self.tower, [i[0] for i in items], [i[1] for i in items]) if items else [])
-            results: list[Any] = []
-            for p in parsed:
-                if isinstance(p, BaseException):
-                    results.append(p)
-                else:
-                    results.append({"image_embeds": [{"embeds": next(embeds), "grid_thw": grid} for _, grid in p[0]]})
-        finally:
-            if len(requests) == 1:
-                self._parsed.pop(requests[0].request_id, None)
-        for r in requests:
-            self._parsed.pop(r.request_id, None)
-        return results
+        return self.forward_items(
+            requests,
+            lambda items: encode_images(self.tower, [patches for patches, _ in items], [grid for _, grid in items]),
+            lambda items, embeds: {
+                "image_embeds": [{"embeds": e, "grid_thw": grid} for (_, grid), e in zip(items, embeds)]
+            },
+        )
