@@ -4,29 +4,39 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 
 from omnistage.tests.serving.conftest import start_server
 
 
-@pytest.fixture(scope="session")
-def api_server(tmp_path_factory):
+@contextmanager
+def live_server(tmp_path_factory, args: list[str], env: dict[str, str] | None = None, timeout: float = 300):
+    """`omnistage serve ARGS` with its own jobs folder and `env` added, ready, stopped after."""
     log_path = tmp_path_factory.mktemp("serve-api") / "server.log"
-    saved = os.environ.get("OMNISTAGE_JOBS_DIR")
-    os.environ["OMNISTAGE_JOBS_DIR"] = str(log_path.parent / "jobs")
+    extra = {"OMNISTAGE_JOBS_DIR": str(log_path.parent / "jobs"), **(env or {})}
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
     try:
-        server = start_server(["tiny-llm", "tiny-image"], log_path)
+        server = start_server(args, log_path)
     finally:
-        if saved is None:
-            os.environ.pop("OMNISTAGE_JOBS_DIR", None)
-        else:
-            os.environ["OMNISTAGE_JOBS_DIR"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
-        server.wait_ready(timeout=300)
+        server.wait_ready(timeout=timeout)
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def api_server(tmp_path_factory):
+    with live_server(tmp_path_factory, ["tiny-llm", "tiny-image"]) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -9,27 +9,16 @@ import httpx
 import openai
 import pytest
 
-from omnistage.tests.serving.conftest import start_server
+from omnistage.tests.api.conftest import live_server
 
 KEYS = ("key-one", "key-two")
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("serve-keys") / "server.log"
     args = ["tiny-llm", "--api-key", KEYS[0], "--max-concurrent-per-key", "1"]
-    import os
-
-    os.environ["OMNISTAGE_API_KEYS"] = KEYS[1]
-    try:
-        server = start_server(args, log_path)
-    finally:
-        os.environ.pop("OMNISTAGE_API_KEYS", None)
-    try:
-        server.wait_ready(timeout=300)
+    with live_server(tmp_path_factory, args, env={"OMNISTAGE_API_KEYS": KEYS[1]}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _client(server, key):

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 
 import numpy as np
 import openai
 import pytest
 import soundfile
 
-from omnistage.tests.serving.conftest import start_server
+from omnistage.tests.api.conftest import live_server
 
 SR_OUT = 24_000
 
@@ -41,18 +40,8 @@ SAMPLING = dict(temperature=0, max_tokens=8, seed=0)
 
 @pytest.fixture(scope="module")
 def omni_server(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("serve-omni") / "server.log"
-    saved = os.environ.get("OMNISTAGE_JOBS_DIR")
-    os.environ["OMNISTAGE_JOBS_DIR"] = str(log_path.parent / "jobs")
-    try:
-        server = start_server(["tiny-omni"], log_path)
-    finally:
-        os.environ.pop("OMNISTAGE_JOBS_DIR", None) if saved is None else os.environ.update(OMNISTAGE_JOBS_DIR=saved)
-    try:
-        server.wait_ready(timeout=600)
+    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
