@@ -89,7 +89,11 @@ class Scheduler:
                 write_outputs, job.id, outputs, formats, service.config.outputs_dir, prebuilt
             )
         except asyncio.CancelledError:
-            service.finish(job.id, JobStatus.CANCELED, error=None)
+            if service.stopping:  # the server stops, not the client: the next start runs it again
+                service.emit(job.id, "queued", {"reason": "server stopped"}, webhook=False,
+                             job_update={"status": JobStatus.QUEUED, "started_at": None})  # fmt: skip
+            else:
+                service.finish(job.id, JobStatus.CANCELED, error=None)
             raise
         except OmnistageError as err:
             error = {"message": str(err), "code": err.code, "param": getattr(err, "param", None), "status": err.status}

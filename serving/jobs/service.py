@@ -49,6 +49,7 @@ class JobService:
         self.sender = WebhookSender(self.store, config)
         self.changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
+        self.stopping = False  # set by stop(): running jobs go back to the queue, not to canceled
 
     # -- lifetime -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -58,6 +59,7 @@ class JobService:
             self._tasks.append(asyncio.create_task(coro))
 
     async def stop(self) -> None:
+        self.stopping = True
         for task in [*self._tasks, *self.scheduler.running.values()]:
             task.cancel()
         await asyncio.gather(*self._tasks, *self.scheduler.running.values(), return_exceptions=True)

@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from omnistage.tests.jobs.conftest import image_job, jobs_env, start_jobs_server, wait_for, wait_status
+from omnistage.tests.jobs.conftest import image_job, jobs_env, sse_events, start_jobs_server, wait_for, wait_status
 from omnistage.tests.serving.conftest import alive, descendants
 
 # long enough that deliveries answered 500 are still pending when the server dies
@@ -113,5 +113,28 @@ def test_interrupted_jobs_fail_when_configured(tmp_path):
             assert failed["status"] == "failed" and failed["error"]["code"] == "interrupted"
             time.sleep(0.5)
             assert client.get(f"/v1/jobs/{job['id']}").json()["attempts"] == 1
+    finally:
+        second.stop()
+
+
+def test_sigterm_requeues_a_running_job_instead_of_canceling_it(tmp_path):
+    env = jobs_env(tmp_path / "jobs")
+    first = start_jobs_server(["tiny-image", "--drain-timeout", "1"], tmp_path / "first.log", env)
+    try:
+        first.wait_ready(timeout=300)
+        with httpx.Client(base_url=first.url, timeout=60) as client:
+            job = client.post("/v1/jobs", json=image_job(steps=150)).json()
+            wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["progress"]["done"] >= 2, what="running")
+    finally:
+        first.stop()  # SIGTERM: a graceful stop
+    assert first.proc.returncode == 0
+    second = start_jobs_server(["tiny-image"], tmp_path / "second.log", env)
+    try:
+        second.wait_ready(timeout=300)
+        with httpx.Client(base_url=second.url, timeout=60) as client:
+            done = wait_status(client, job["id"], ("completed", "failed", "canceled"))
+            assert done["status"] == "completed" and done["attempts"] == 2
+            types = [e[1] for e in sse_events(client.get(f"/v1/jobs/{job['id']}/events").text)]
+            assert "canceled" not in types and types.count("started") == 2
     finally:
         second.stop()
