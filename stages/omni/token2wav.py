@@ -92,8 +92,11 @@ def _codes_of(chunk: Any) -> list[int]:
 
 @register_stage("token2wav")
 class Token2WavStage(StageEngine):
-    # voice: the talker's voice name, sent before its first codes (the request's own voice param wins)
-    inputs: ClassVar[dict[str, Port]] = {"codes": Port("tokens", streaming=True), "voice": Port("json", streaming=True)}
+    # voice (optional): the talker's voice name, sent before its first codes (the request's own voice param wins)
+    inputs: ClassVar[dict[str, Port]] = {
+        "codes": Port("tokens", streaming=True),
+        "voice": Port("json", streaming=True, optional=True),
+    }
     outputs: ClassVar[dict[str, Port]] = {"audio": Port("audio", streaming=True)}
     batching_policies = ("dynamic", "none")
     needs_model = True
