@@ -2,8 +2,12 @@
 
 import os
 
-import pytest
-import torch
+# Triton reads TRITON_INTERPRET when a kernel is defined; any test module may import a kernel
+# module while the suite is collected, so the interpreter is chosen before anything else loads.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests run many worker processes on a 2-core machine: keep the test process itself lean.
 torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "1")))
