@@ -85,7 +85,8 @@ def test_a_started_stream_cut_by_the_drain_timeout_ends_with_the_error(tmp_path)
         server.wait_ready(timeout=300)
         body = {
             "inputs": {"prompt": "Hello"},
-            "params": {"llm": {"max_tokens": 2000, "ignore_eos": True}},
+            # 16 sequences of 2000 tokens outlast the 1 s drain timeout even on a quiet machine
+            "params": {"llm": {"max_tokens": 2000, "ignore_eos": True, "n": 16, "temperature": 1.0, "seed": 0}},
             "stream": True,
         }
         with httpx.stream("POST", f"{server.url}/v1/pipelines/tiny-llm/run", json=body, timeout=60) as r:
