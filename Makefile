@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # and a top-level `kernels` package would break `import transformers`.
 export PYTHONSAFEPATH := 1
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean system-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: $(STAMP) lint
+# Debian packages some tests drive (Chromium, PostgreSQL, espeak-ng); installed when root
+system-deps:
+	@./scripts/system-deps.sh
+
+test: $(STAMP) system-deps lint
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
 
 clean:
