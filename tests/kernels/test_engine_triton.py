@@ -11,6 +11,8 @@ import torch
 
 from omnistage.stages.ar import EngineConfig, LLMEngine, SamplingParams
 
+from ..ar_engine.conftest import hf_greedy
+
 VOCAB = 256
 
 
@@ -35,22 +37,6 @@ def _checkpoint(tmp_path_factory, kind: str):
     return path, model
 
 
-def _hf_greedy(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
 def test_engine_with_triton_kernels_matches_transformers(kind, tmp_path_factory, monkeypatch):
     from omnistage.kernels.triton import engine_ops
@@ -62,7 +48,7 @@ def test_engine_with_triton_kernels_matches_transformers(kind, tmp_path_factory,
     # lengths at / across the 16-token block boundary; two prompts share a 40-token stem
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 16, 17)]
     prompts += [stem + [rng.randrange(VOCAB) for _ in range(n)] for n in (9, 23)]
-    refs = [_hf_greedy(hf, p, 5) for p in prompts]
+    refs = [hf_greedy(hf, p, 5) for p in prompts]
     engine = LLMEngine(EngineConfig(model_path=path, max_num_batched_tokens=24, max_num_seqs=8, block_size=16))
     assert engine.uses_triton and engine.decode_buffer is None
     assert engine.model.layers[0].self_attn.paged_attention is engine_ops.paged_attention
