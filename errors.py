@@ -50,7 +50,32 @@ class StageError(OmnistageError):
 
 
 class WorkerDiedError(StageError):
+    """A replica's process died holding the request, or is down for good. The message may
+    reach HTTP clients: one line (stage, replica, how it ended, whether a retry can help);
+    the worker's traceback goes to the server log only."""
+
     code = "worker_died"
+
+    @classmethod
+    def replica_died(cls, stage: str, replica: int, how: str) -> WorkerDiedError:
+        # the hub restarts the replica, so the same request sent again can succeed
+        return cls(stage, f"replica {replica} died ({how}) while holding this request; retryable")
+
+    @classmethod
+    def replica_gone(cls, stage: str, replica: int, why: str | None) -> WorkerDiedError:
+        return cls(stage, f"replica {replica} is down and could not be restarted ({first_line(why)}); not retryable")
+
+
+def first_line(text: str | None, limit: int = 200) -> str:
+    """The first line of an error text, at most `limit` characters."""
+    lines = (text or "").strip().splitlines()
+    line = lines[0] if lines else "unknown cause"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def one_line_error(exc: BaseException) -> str:
+    """ "TypeError: message" on one line, for messages that may reach clients."""
+    return first_line(f"{type(exc).__name__}: {exc}")
 
 
 class PipelineClosedError(OmnistageError):

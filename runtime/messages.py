@@ -86,7 +86,8 @@ class Ready:
 
 @dataclass(slots=True)
 class StartFailed:
-    error: str
+    error: str  # one line, "TypeError: message": it may reach clients
+    traceback: str = ""  # for the server log only
 
 
 @dataclass(slots=True)

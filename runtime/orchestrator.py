@@ -344,6 +344,7 @@ class Orchestrator:
                 self._router.send(r, m)
             self._cond.notify_all()
         elif isinstance(msg, StartFailed):
+            log.error("omnistage: %s failed to start: %s\n%s", r.name, msg.error, msg.traceback)
             r.mark_start_error(msg.error)
             self._cond.notify_all()
 

@@ -70,6 +70,7 @@ class Recovery:
         self.dead_segments.add(segment_prefix(pool, r.proc.pid), self.router.requests)
         if stopping:
             return
+        log.warning("omnistage: %s (pid %s) died (%s)", r.name, r.pid, how)
         after = r.after_death(how, was_ready)
         if after is AfterDeath.START_FAILED:
             self.cond.notify_all()
@@ -84,8 +85,7 @@ class Recovery:
         r.requests.clear()
         self._release_slots_of_dead_reader(r, held)
         for req in held:
-            error = f"worker process of replica {r.index} (pid {r.pid}) died ({how}) while holding this request"
-            self.router.finish(req, WorkerDiedError(r.stage, error), "worker_died")
+            self.router.finish(req, WorkerDiedError.replica_died(r.stage, r.index, how), "worker_died")
 
     def _reconcile_permits(self, stage: str) -> None:
         """The stage's only replica died: nobody but the hub touches its permits now."""
@@ -117,7 +117,7 @@ class Recovery:
             if isinstance(msg, Deliver) and msg.request_id in self.router.requests:
                 self.router.finish(
                     self.router.requests[msg.request_id],
-                    WorkerDiedError(r.stage, f"replica {r.index} cannot be restarted: {r.error}"),
+                    WorkerDiedError.replica_gone(r.stage, r.index, r.error),
                     "worker_died",
                 )
         r.pending.clear()

@@ -155,7 +155,7 @@ class Router:
         if r.state is ReplicaState.DEAD:
             self.finish(
                 req,
-                WorkerDiedError(dst, f"replica {r.index} is down and could not be restarted: {r.error}"),
+                WorkerDiedError.replica_gone(dst, r.index, r.error),
                 "worker_died",
             )
             return

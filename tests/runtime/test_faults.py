@@ -3,6 +3,7 @@ requests that arrive while a replica restarts."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -56,11 +57,12 @@ def test_constructor_that_raises_fails_the_start_with_its_message():
     assert time.monotonic() - t0 < 60  # reported, not waited out
 
 
-def test_restarts_that_keep_failing_give_up_and_fail_requests(tmp_path):
+def test_restarts_that_keep_failing_give_up_and_fail_requests(tmp_path, caplog):
     marker = tmp_path / "built"
     spec = load_pipeline_text(
         one_stage("omnistage.tests.runtime.fault_modules:BuildsOnce", f"{{marker: '{marker}'}}"), "f.yaml"
     )
+    caplog.set_level(logging.ERROR, logger="omnistage.runtime")
     with Pipeline.from_spec(spec) as p:
         x = torch.arange(4.0)
         assert torch.equal(p.run({"x": x}, timeout=30)["y"], x * 2)
@@ -74,9 +76,22 @@ def test_restarts_that_keep_failing_give_up_and_fail_requests(tmp_path):
         )
         time.sleep(1.0)  # a replica that had not given up would try again within this
         assert marker.stat().st_size == MAX_RESTART_FAILURES + 1
-        with pytest.raises(WorkerDiedError, match="(?s)could not be restarted.*rebuild refused"):
+        with pytest.raises(WorkerDiedError, match="could not be restarted.*rebuild refused") as info:
             p.run({"x": x}, timeout=30)
         assert p.stage_ready() == {"s": False}
+    assert_short_client_message(str(info.value), "stage 's'", "replica 0", "not retryable")
+    # the worker's traceback went to the server log, not to the client
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "omnistage.runtime")
+    assert "Traceback" in logged and "fault_modules.py" in logged and "rebuild refused" in logged, logged
+
+
+def assert_short_client_message(message: str, *must_name: str) -> None:
+    """What may reach an HTTP client: one line naming the stage, replica and whether a retry
+    can help; no traceback, no source paths."""
+    assert "\n" not in message and "Traceback" not in message and 'File "' not in message, message
+    assert ".py" not in message and len(message) < 300, message
+    for part in must_name:
+        assert part in message, (part, message)
 
 
 def test_requests_arriving_during_a_restart_complete():

@@ -91,7 +91,12 @@ def _kill_while_holding(p, stage, x):
         time.sleep(0.02)
     os.kill(p.worker_pids()[stage][0], signal.SIGKILL)
     t.join(30)
-    assert isinstance(result.get("error"), WorkerDiedError), result
+    err = result.get("error")
+    assert isinstance(err, WorkerDiedError), result
+    # what a client reads: stage, replica, how it ended, that a retry can help; nothing more
+    msg = str(err)
+    assert f"stage {stage!r}" in msg and "replica 0" in msg and "SIGKILL" in msg and "retryable" in msg, msg
+    assert "not retryable" not in msg and "\n" not in msg and "pid" not in msg, msg
     p.wait_ready(60)
 
 
