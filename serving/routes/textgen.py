@@ -121,7 +121,10 @@ def completion_logprobs(tokenizer: Any, entries: list[dict[str, Any]], offset: i
         offset += len(text)
         tokens.append(text)
         token_logprobs.append(e["logprob"])
-        top.append({tokenizer.decode([t["token"]], skip_special_tokens=False): t["logprob"] for t in e["top_logprobs"]})
+        # the legacy API lists the sampled token beside the top k (up to k + 1 entries)
+        listed = {tokenizer.decode([t["token"]], skip_special_tokens=False): t["logprob"] for t in e["top_logprobs"]}
+        listed.setdefault(text, e["logprob"])
+        top.append(listed)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 

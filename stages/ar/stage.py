@@ -106,6 +106,7 @@ class _Live:
     n: int
     texts: list[OutputText] | None  # one per sequence; None without a tokenizer
     logprobs_wanted: bool
+    logprobs_top: int  # how many top_logprobs each entry lists (OpenAI: exactly this many)
     tokens: list[list[int]]
     logprobs: list[list[dict[str, Any]]]
     finish_reasons: list[str | None]
@@ -255,6 +256,7 @@ class ARLMStage(StageEngine):
             if self.tokenizer is not None
             else None,
             logprobs_wanted=sampling.logprobs is not None,
+            logprobs_top=sampling.logprobs or 0,
             tokens=[[] for _ in range(sampling.n)],
             logprobs=[[] for _ in range(sampling.n)],
             finish_reasons=[None] * sampling.n,
@@ -342,7 +344,7 @@ class ARLMStage(StageEngine):
             new_ids = list(out.new_token_ids)
             live.tokens[i].extend(new_ids)
             if live.logprobs_wanted and out.new_logprobs:
-                live.logprobs[i].extend(_logprob_entries(new_ids, out.new_logprobs))
+                live.logprobs[i].extend(_logprob_entries(new_ids, out.new_logprobs, live.logprobs_top))
             if live.texts is not None:
                 delta = live.texts[i].push(new_ids)
                 text = delta.text
@@ -406,10 +408,13 @@ class ARLMStage(StageEngine):
         return info
 
 
-def _logprob_entries(new_ids: list[int], new_logprobs: list[dict[int, float]]) -> list[dict[str, Any]]:
+def _logprob_entries(new_ids: list[int], new_logprobs: list[dict[int, float]], top_k: int) -> list[dict[str, Any]]:
+    """One {token, logprob, top_logprobs} per new token. The engine's table holds the sampled
+    token beside the top k; top_logprobs lists the top k only (as OpenAI's chat API does), the
+    sampled token's own logprob is in "logprob"."""
     entries = []
     for token, table in zip(new_ids, new_logprobs):
-        top = sorted(table.items(), key=lambda kv: -kv[1])
+        top = sorted(table.items(), key=lambda kv: -kv[1])[:top_k]
         entries.append(
             {
                 "token": int(token),
