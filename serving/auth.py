@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from omnistage.serving.errors import error_body
 
 KEYS_ENV = "OMNISTAGE_API_KEYS"
-OPEN_PATHS = ("/health", "/ready")  # liveness/readiness probes carry no credentials
+OPEN_PATHS = ("/health", "/ready", "/")  # probes carry no credentials; "/" is the demo page
+OPEN_PREFIXES = ("/static/",)  # the demo page's files (no data; the page sends the key itself)
 RETRY_AFTER_S = 1
 
 
@@ -59,7 +60,8 @@ class ApiKeyGuard:
 
     async def __call__(self, scope, receive, send):
         kind = scope["type"]
-        if kind not in ("http", "websocket") or scope.get("path") in OPEN_PATHS:
+        path = scope.get("path", "")
+        if kind not in ("http", "websocket") or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return await self.app(scope, receive, send)
         auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
