@@ -103,8 +103,11 @@ def overrides_per_config(configs: list[str | Path], overrides: Iterable[str]) ->
 
 
 class PipelineRegistry:
-    def __init__(self, *, ready_timeout: float = 600.0):
+    def __init__(self, *, ready_timeout: float = 600.0, pipeline_factory: Any = None):
         self._entries: dict[str, PipelineEntry] = {}
+        # spec -> started Pipeline-like object (None: the embedded runtime's Pipeline.from_spec);
+        # the Ray backend passes one that routes through Serve deployments instead
+        self.pipeline_factory = pipeline_factory
         self._lock = threading.Lock()
         self._loader: threading.Thread | None = None
         self._closing = threading.Event()
@@ -164,6 +167,7 @@ class PipelineRegistry:
     def _load_all(self) -> None:
         from omnistage.runtime.pipeline import Pipeline
 
+        factory = self.pipeline_factory or Pipeline.from_spec
         pending = [e for e in self._entries.values() if e.pipeline is None and e.state == LOADING]
         # Start every pipeline's workers first so they boot in parallel, then wait for each in
         # its own thread so each turns ready (and reports its load time) as soon as it is.
@@ -173,7 +177,7 @@ class PipelineRegistry:
                 return
             started = time.monotonic()
             try:
-                pipeline = Pipeline.from_spec(entry.spec, start=True, wait_ready=False)
+                pipeline = factory(entry.spec, start=True, wait_ready=False)
             except Exception as exc:  # noqa: BLE001 - reported on /ready
                 self._fail(entry, exc)
                 continue

@@ -1,0 +1,284 @@
+"""RayDriver: routes requests through a pipeline whose stages are Serve deployments.
+
+The routing is the embedded runtime's own `runtime.routing.Router` (fan-in, absent ports,
+outputs to the caller, finishing a request everywhere); only its transport is replaced. Each
+stage is one virtual replica (Serve picks the real one), and a message the Router would send
+down a worker's pipe becomes a Serve call: a Deliver joins the request's StageCall at that
+stage (opened on first delivery), an Abort cancels it. Emits streamed back from replicas go
+to `Router.on_emit` as the hub would pass them.
+
+Serve calls run on the driver's own event loop thread; the Router runs under the driver's
+lock, from that thread or from a caller's (`submit`, `abort`). Readiness is Serve's: a stage
+is ready when its deployment is HEALTHY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from omnistage.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    PipelineClosedError,
+    RequestCancelledError,
+    WorkerDiedError,
+)
+from omnistage.graph.inputs import check_inputs
+from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
+from omnistage.ray_serve.calls import DriverPermits, StageCall
+from omnistage.ray_serve.options import deployment_name
+from omnistage.runtime.ledger import SlotBook
+from omnistage.runtime.messages import Abort, Deliver, Emit, PermitsTaken
+from omnistage.runtime.replicas import Replica, ReplicaState
+from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
+from omnistage.runtime.shm import SegmentReader
+
+log = logging.getLogger("omnistage.ray_serve")
+
+HEALTH_POLL_S = 0.5
+
+
+class _RayRouter(Router):
+    def __init__(self, driver: RayDriver, spec: PipelineSpec, permits: DriverPermits, cond: threading.Condition):
+        replicas = {name: [Replica(name, 0, "ray", state=ReplicaState.READY)] for name in spec.stages}
+        super().__init__(spec, replicas, permits, SlotBook(), SegmentReader(), cond)
+        self.driver = driver
+
+    def send(self, r: Replica, msg) -> None:
+        if isinstance(msg, (Deliver, Abort)):
+            self.driver.dispatch(r, msg)
+        # PermitFreed: DriverPermits.release already woke the stage calls waiting for one
+
+
+class RayDriver:
+    """The Orchestrator's surface (submit, abort, readiness, stats, close) over Serve handles."""
+
+    def __init__(self, spec: PipelineSpec, handles: dict[str, Any], app_name: str):
+        self.spec = spec
+        self.handles = handles  # stage -> DeploymentHandle
+        self.app_name = app_name
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._permits = DriverPermits(spec, self._lock)
+        self._router = _RayRouter(self, spec, self._permits, self._cond)
+        self._requests = self._router.requests
+        self.counts = self._router.counts
+        self._calls: dict[tuple[str, str], StageCall] = {}
+        self._health: dict[str, bool] = dict.fromkeys(spec.stages, False)
+        self.started = self.closing = self.closed = False
+        self.loop = asyncio.new_event_loop()
+        self._permits.loop = self.loop
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"omnistage-ray-{spec.name}", daemon=True)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self.started:
+                return
+            self.started = True
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._watch_health(), self.loop)
+
+    async def _watch_health(self) -> None:
+        from ray import serve
+
+        names = {deployment_name(self.spec.name, s): s for s in self.spec.stages}
+        while not self.closed:
+            try:
+                status = await asyncio.to_thread(serve.status)
+                app = status.applications.get(self.app_name)
+                deployments = app.deployments if app is not None else {}
+                health = {stage: getattr(deployments.get(d), "status", None) == "HEALTHY" for d, stage in names.items()}
+            except Exception:  # noqa: BLE001 - the controller is restarting: not ready meanwhile
+                log.debug("serve.status() failed", exc_info=True)
+                health = dict.fromkeys(self.spec.stages, False)
+            with self._cond:
+                self._health = health
+                self._cond.notify_all()
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self.started and not self.closed and all(self._health.values())
+
+    def stage_ready(self) -> dict[str, bool]:
+        with self._lock:
+            live = self.started and not self.closed
+            return {stage: live and ok for stage, ok in self._health.items()}
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self.ready:
+                if self.closed:
+                    raise PipelineClosedError(f"pipeline {self.spec.name!r} is closed")
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    waiting = [s for s, ok in self._health.items() if not ok]
+                    raise TimeoutError(
+                        f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})"
+                    )
+                self._cond.wait(left if left is not None else 1.0)
+
+    def close(self, drain_timeout: float = 30.0) -> None:
+        with self._cond:
+            if self.closed:
+                return
+            self.closing = True
+            end = time.monotonic() + max(0.0, drain_timeout)
+            while self._requests and time.monotonic() < end:
+                self._cond.wait(min(0.1, max(0.0, end - time.monotonic())))
+            for req in list(self._requests.values()):
+                error = PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished")
+                self._router.finish(req, error, "closed")
+            self.closed = True
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), self.loop).result(timeout=5)  # aborts leave
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+
+    # -- requests -------------------------------------------------------------------------------
+    def submit(
+        self,
+        inputs: dict[str, Any],
+        params: dict[str, dict] | None,
+        sink: Sink,
+        request_id: str | None = None,
+        deadline: float | None = None,
+    ) -> str:
+        spec = self.spec
+        if not isinstance(inputs, dict):
+            raise InvalidRequestError("inputs must be a dict {pipeline input port: value}")
+        unknown = set(inputs) - set(spec.inputs)
+        if unknown:
+            raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
+        if spec.inputs and not inputs:
+            raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
+        check_inputs(spec, inputs)
+        params = dict(params or {})
+        bad = set(params) - set(spec.stages)
+        if bad:
+            raise InvalidRequestError(
+                f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
+            )
+        if deadline is None and spec.default_deadline_s:
+            deadline = time.time() + spec.default_deadline_s
+        rid = request_id or uuid.uuid4().hex
+        with self._lock:
+            if self.closing or self.closed or not self.started:
+                state = "not started" if not self.started else "closed"
+                raise PipelineClosedError(f"pipeline {spec.name!r} is {state}")
+            if len(self._requests) >= spec.max_queued_requests:
+                self.counts["rejected"] += 1
+                raise OverloadedError(
+                    f"pipeline {spec.name!r} is overloaded: {len(self._requests)} requests in flight "
+                    f"(max_queued_requests={spec.max_queued_requests}); retry later"
+                )
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+            req = RequestRecord(rid, safe_sink(sink), params, deadline, open_stages=set(spec.stages))
+            self._router.start(
+                req, {p: v for p, v in inputs.items() if self._router.port_edges[PIPELINE_INPUTS].get(p)}
+            )
+        if deadline is not None:
+            self.loop.call_soon_threadsafe(self._arm_deadline, rid, deadline)
+        return rid
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is not None:
+                self._router.finish(req, RequestCancelledError(f"request {rid} was cancelled"), "cancelled")
+
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def _arm_deadline(self, rid: str, deadline: float) -> None:
+        self.loop.call_later(max(0.0, deadline - time.time()), self._expire, rid, deadline)
+
+    def _expire(self, rid: str, deadline: float) -> None:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is not None and req.deadline == deadline:
+                self._router.finish(req, DeadlineExceededError(f"request {rid} exceeded its deadline"), "deadline")
+
+    # -- the Router's messages, as Serve calls (on the driver's loop) ---------------------------
+    def dispatch(self, r: Replica, msg: Deliver | Abort) -> None:
+        if threading.current_thread() is self._thread:
+            self._dispatch(r, msg)
+        else:
+            self.loop.call_soon_threadsafe(self._dispatch, r, msg)
+
+    def _dispatch(self, r: Replica, msg: Deliver | Abort) -> None:
+        key = (msg.request_id, r.stage)
+        if isinstance(msg, Abort):
+            call = self._calls.pop(key, None)
+            if call is not None:
+                call.cancel()
+            return
+        call = self._calls.get(key)
+        if call is None:
+            if msg.request_id not in self._requests:
+                return  # ended before its delivery left
+            call = self._calls[key] = StageCall(
+                msg.request_id,
+                r,
+                self.handles[r.stage],
+                self._permits,
+                self._on_permits,
+                self._on_emits,
+                self._on_failure,
+            )
+            call.task.add_done_callback(lambda _t, key=key, call=call: self._forget(key, call))
+        call.deliver(msg)
+
+    def _forget(self, key: tuple[str, str], call: StageCall) -> None:
+        if self._calls.get(key) is call:
+            del self._calls[key]
+
+    def _on_permits(self, rid: str, r: Replica, edges: tuple[int, ...]) -> None:
+        with self._lock:
+            self._router.on_permits_taken(r, PermitsTaken(rid, edges))
+
+    def _on_emits(self, r: Replica, emits: list[Emit]) -> None:
+        with self._lock:
+            for emit in emits:
+                self._router.on_emit(r, emit)
+
+    def _on_failure(self, rid: str, r: Replica, exc: BaseException) -> None:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is not None and r.stage in req.open_stages:
+                log.warning("request %s failed at %s: %s", rid, r.stage, exc)
+                error = WorkerDiedError(r.stage, f"its replica failed ({type(exc).__name__}); retry the request")
+                self._router.finish(req, error, "worker_died")
+
+    # -- stats ----------------------------------------------------------------------------------
+    def query_stats(self, timeout: float = 2.0) -> dict[str, list[dict]]:
+        """One replica's figures per stage (Serve picks which)."""
+
+        async def ask(stage: str) -> dict:
+            try:
+                return await asyncio.wait_for(self.handles[stage].stats.remote(), timeout)
+            except Exception:  # noqa: BLE001 - stats are best effort
+                return {}
+
+        async def ask_all() -> list[dict]:
+            return await asyncio.gather(*(ask(s) for s in self.spec.stages))
+
+        if self.closed or not self._thread.is_alive():
+            replies = [{} for _ in self.spec.stages]
+        else:
+            replies = asyncio.run_coroutine_threadsafe(ask_all(), self.loop).result(timeout + 1)
+        with self._lock:
+            return {
+                stage: [{"replica": 0, "ready": self._health.get(stage, False), "restarts": 0, **reply}]
+                for stage, reply in zip(self.spec.stages, replies)
+            }

@@ -1,0 +1,124 @@
+"""What a pipeline YAML means to Ray Serve: deployment names and options per stage pool.
+
+- `num_replicas`: the pool's `replicas`, unless the pool has an `autoscaling:` block, which
+  becomes Serve's `autoscaling_config` (min/max/initial replicas, target ongoing requests);
+- `ray_actor_options`: `num_cpus` = the pool's `threads` x `cpus_per_thread` (below 1 lets a
+  small machine oversubscribe its cores, as the embedded runtime does), `num_gpus: 1` for a
+  pool on `cuda` devices (Ray then shows the replica its GPU as `cuda:0`), and the pool's
+  `autoscaling.resources` as custom resources (pin a stage to the nodes that offer them);
+- every stage deployment routes with ray_serve/router.py's PinnedRouter.
+
+Every replica loads the pipeline itself from a PipelineSource (config paths and `--set`
+overrides), so the Serve config stays plain JSON that `serve deploy` and KubeRay accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omnistage.graph.spec import PipelineSpec
+
+INGRESS = "ingress"
+# Each request holds one open stream per stage it uses, plus short delivery calls: the engine
+# batches them all, so a replica takes far more than Serve's default of 5.
+STAGE_MAX_ONGOING = 4096
+INGRESS_MAX_ONGOING = 1024
+
+
+@dataclass
+class PipelineSource:
+    """Where every process of the application reads the pipelines from."""
+
+    configs: list[str]
+    overrides: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PipelineSource:
+        return cls(list(data["configs"]), list(data.get("overrides") or []))
+
+    @classmethod
+    def resolve(cls, configs: list[str], overrides: list[str] = ()) -> PipelineSource:
+        """Files that exist here by absolute path (replicas start in other directories);
+        names of shipped configs (`tiny-llm`) as they are."""
+        paths = [str(Path(c).resolve()) if Path(c).is_file() else str(c) for c in configs]
+        return cls(paths, list(overrides))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def load_all(self) -> list[PipelineSpec]:
+        from omnistage.graph.loader import load_pipeline
+        from omnistage.serving.registry import overrides_per_config
+
+        own = overrides_per_config(self.configs, self.overrides)
+        return [load_pipeline(c, overrides=o) for c, o in zip(self.configs, own)]
+
+    def load(self, name: str) -> PipelineSpec:
+        for spec in self.load_all():
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no pipeline named {name!r} in {self.configs}")
+
+
+@dataclass
+class BackendOptions:
+    """Settings of the application that are not in the pipeline files."""
+
+    cpus_per_thread: float = 1.0
+    ingress_replicas: int = 1
+    ingress_cpus: float = 0.0
+    drain_timeout: float = 30.0
+    api_keys: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> BackendOptions:
+        known = {k: v for k, v in (data or {}).items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def deployment_name(pipeline: str, stage: str) -> str:
+    return f"{pipeline}.{stage}"
+
+
+def stage_options(spec: PipelineSpec, stage: str, opts: BackendOptions) -> dict[str, Any]:
+    """Keyword arguments of `serve.deployment(...).options()` for one stage pool (plain JSON
+    besides the router path, so config.py writes the same values)."""
+    pool = spec.stages[stage].pool
+    actor: dict[str, Any] = {"num_cpus": float(pool.threads) * opts.cpus_per_thread}
+    if any(d.startswith("cuda") for d in pool.devices):
+        actor["num_gpus"] = 1
+    scaling = getattr(pool, "autoscaling", None)  # the optional `autoscaling:` block
+    if scaling and scaling.get("resources"):
+        actor["resources"] = dict(scaling["resources"])
+    out: dict[str, Any] = {
+        "name": deployment_name(spec.name, stage),
+        "ray_actor_options": actor,
+        "max_ongoing_requests": STAGE_MAX_ONGOING,
+    }
+    if scaling:
+        out["autoscaling_config"] = autoscaling_config(scaling)
+    else:
+        out["num_replicas"] = max(1, int(pool.replicas))
+    return out
+
+
+def autoscaling_config(scaling: dict[str, Any]) -> dict[str, Any]:
+    """The pool's `autoscaling:` block in Serve's terms (validated by graph/fields.py)."""
+    out = {k: scaling[k] for k in ("min_replicas", "max_replicas", "initial_replicas") if k in scaling}
+    if "target_ongoing_requests" in scaling:
+        out["target_ongoing_requests"] = scaling["target_ongoing_requests"]
+    return out
+
+
+def ingress_options(opts: BackendOptions) -> dict[str, Any]:
+    return {
+        "name": INGRESS,
+        "num_replicas": opts.ingress_replicas,
+        "ray_actor_options": {"num_cpus": opts.ingress_cpus},
+        "max_ongoing_requests": INGRESS_MAX_ONGOING,
+    }
