@@ -19,7 +19,8 @@ Per generated token it streams `talker_embeds`, what the talker conditions on: a
 zeroed, as transformers hands them to the talker, plus the last layer's hidden states), then
 {"reply": [k, hidden]} rows (token embedding + last hidden state) for each generated token as
 it is fed back. With an image the prompt chunk also carries "positions" (3, P), which the
-talker's prefill continues. A request whose prompt rows are needed skips prefix-cache hits (cached
+talker's prefill continues. With a `speak` text the reply is forced: that text's tokens are
+prefilled after the prompt and streamed as reply rows (stages/omni/speak.py). A request whose prompt rows are needed skips prefix-cache hits (cached
 positions are not run, so their hidden states would be missing).
 """
 
@@ -41,6 +42,14 @@ from omnistage.stages.base import Emission, Port, StageContext
 from omnistage.stages.omni.checkpoint import read_config
 from omnistage.stages.omni.inputs import OmniProcessor
 from omnistage.stages.omni.positions import mrope_positions
+from omnistage.stages.omni.speak import (
+    ForcedReply,
+    append_embeds,
+    extend_positions,
+    speak_messages,
+    speak_params,
+    speak_text,
+)
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
@@ -110,7 +119,8 @@ class _TalkerFeed:
 @register_stage("thinker")
 class ThinkerStage(ARLMStage):
     inputs = {
-        "messages": Port("json"),
+        "messages": Port("json", optional=True),
+        "speak": Port("text", optional=True),
         "audio_embeds": Port("embeddings", optional=True),
         "image_embeds": Port("embeddings", optional=True),
     }
@@ -142,10 +152,18 @@ class ThinkerStage(ARLMStage):
         self._feeds: dict[str, _TalkerFeed] = {}
         self._admitting: OmniPrompt | None = None
         self._speech = False
+        self._forcing: ForcedReply | None = None  # the speak request being admitted
+        self._forced: dict[str, ForcedReply] = {}
 
     # -- admission -------------------------------------------------------------------------
     def _admit(self, request) -> None:
         params = dict(request.params)
+        speak = request.inputs.get("speak")
+        self._forcing = None
+        if speak is not None:
+            text = speak_text(speak)
+            params = speak_params(params)
+            self._forcing = ForcedReply(text, self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
         own = REQUEST_PARAMS.validate({k: params.pop(k) for k in ("return_audio", "modalities") if k in params})
         speech = own["return_audio"] if own["modalities"] is None else "audio" in own["modalities"]
         wants_rows = speech and self.talker_output
@@ -154,8 +172,13 @@ class ThinkerStage(ARLMStage):
         self._speech = speech
         super()._admit(dataclasses.replace(request, params=params))
         prompt = self._admitting
+        forced = self._forcing
+        num_prompt = forced.num_prompt if forced is not None else len(prompt.token_ids)
+        if forced is not None:
+            self._forced[request.request_id] = forced
         if wants_rows:
-            self._feeds[request.request_id] = _TalkerFeed(len(prompt.token_ids), prompt.media_mask, prompt.positions)
+            positions = prompt.positions[:, :num_prompt] if prompt.positions is not None else None
+            self._feeds[request.request_id] = _TalkerFeed(num_prompt, prompt.media_mask, positions)
 
     def _sequence_options(self) -> SequenceOptions | None:
         prompt = self._admitting
@@ -165,9 +188,12 @@ class ThinkerStage(ARLMStage):
         return SequenceOptions(prompt_cache_keys=prompt.cache_keys, prompt_penalty_ids=prompt.token_ids)
 
     def _prompt(self, inputs: dict[str, Any]):
-        prompt = self.build_prompt(
-            inputs.get("messages"), inputs.get("audio_embeds"), inputs.get("image_embeds"), self._speech
-        )
+        messages = inputs.get("messages")
+        if self._forcing is not None:
+            messages = speak_messages(messages, self._forcing.text)
+        prompt = self.build_prompt(messages, inputs.get("audio_embeds"), inputs.get("image_embeds"), self._speech)
+        if self._forcing is not None:
+            prompt = self._with_reply(prompt, self._forcing)
         self._admitting = prompt
         return prompt.token_ids, prompt.embeds, prompt.positions
 
@@ -215,8 +241,20 @@ class ThinkerStage(ARLMStage):
             )
         return OmniPrompt(ids, embeds, mask, keys, positions)
 
+    def _with_reply(self, prompt: OmniPrompt, forced: ForcedReply) -> OmniPrompt:
+        """The prompt followed by the forced reply's tokens (prefilled like the prompt)."""
+        forced.num_prompt = len(prompt.token_ids)
+        ids = prompt.token_ids + forced.ids
+        if prompt.embeds is None:
+            return OmniPrompt(ids, None, None, None)
+        mask = torch.cat([prompt.media_mask, torch.zeros(len(forced.ids), dtype=torch.bool)])
+        embeds = append_embeds(prompt.embeds, self.engine.model.embed_tokens, forced.ids)
+        positions = extend_positions(prompt.positions, len(forced.ids)) if prompt.positions is not None else None
+        return OmniPrompt(ids, embeds, mask, prompt.cache_keys + forced.ids, positions)
+
     def abort(self, request_id: str) -> None:
         self._feeds.pop(request_id, None)
+        self._forced.pop(request_id, None)
         super().abort(request_id)
 
     # -- output ----------------------------------------------------------------------------
@@ -230,11 +268,26 @@ class ThinkerStage(ARLMStage):
             chunk = self._talker_chunk(feed, hidden)
             if chunk is not None:
                 emission.outputs["talker_embeds"] = chunk
+        if live.request_id in self._forced:
+            self._report_forced(live.request_id, emission)
         if emission.finished and self._feeds.pop(live.request_id, None) is None:
             emission.absent_ports = ("talker_embeds",)  # a text answer: talker and token2wav never see it
         if not emission.outputs and not emission.finished:
             return None
         return emission
+
+    def _report_forced(self, request_id: str, emission: Emission) -> None:
+        """A speak request reports the forced reply as its text and tokens; the one token the
+        engine sampled after it is dropped."""
+        out = emission.outputs
+        out.pop("text", None)
+        out.pop("tokens", None)
+        if emission.finished:
+            forced = self._forced.pop(request_id)
+            out["text"], out["tokens"] = forced.text, list(forced.ids)
+            usage = out["info"]["usage"]
+            usage["prompt_tokens"], usage["completion_tokens"] = forced.num_prompt, len(forced.ids)
+            out["info"]["finish_reason"] = "stop"
 
     def _talker_chunk(self, feed: _TalkerFeed, hidden: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """hidden [rows, 2, H] (layer 0, last layer) of the rows run this step -> the talker's
@@ -260,4 +313,5 @@ class ThinkerStage(ARLMStage):
 
     def close(self) -> None:
         self._feeds.clear()
+        self._forced.clear()
         super().close()

@@ -194,3 +194,23 @@ def test_voice_named_once_reaches_token2wav(omni_pipeline):
     assert once.numel() > 0 and once.abs().max() > 1e-3
     torch.testing.assert_close(once, both, rtol=0, atol=1e-6)
     assert once.shape == other.shape and (once - other).abs().max() > 1e-3
+
+
+def test_speak_says_the_text_through_the_pipeline(omni_pipeline, omni_dir, omni_ref):
+    """Text-to-speech (the `speak` input, what serves.speech maps): the talker's codes equal
+    transformers' for a thinker forced to write that text, in the voice named for the talker,
+    and the speech is non-trivial."""
+    from transformers import AutoTokenizer
+
+    say = "Good evening, and welcome."
+    forced = AutoTokenizer.from_pretrained(str(omni_dir))(say, add_special_tokens=False)["input_ids"]
+    speech = {}
+    for voice in ("Ethan", "Chelsie"):
+        expected, _ = reference_codes(omni_ref, omni_dir, [{"role": "user", "content": say}], [], voice, forced=forced)
+        params = {"talker": {"temperature": 0, "max_tokens": N_CODES, "voice": voice}, "token2wav": {"seed": 0}}
+        out = omni_pipeline.run({"speak": say}, params, timeout=120)
+        assert out["text"] == say and list(out["codes"]) == expected
+        audio = torch.as_tensor(out["audio"]).reshape(-1)
+        assert audio.numel() == 480 * len(expected) and audio.abs().max() > 1e-3 and audio.std() > 1e-4
+        speech[voice] = list(out["codes"])
+    assert speech["Ethan"] != speech["Chelsie"]

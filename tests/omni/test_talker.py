@@ -22,7 +22,7 @@ class _Captured(Exception):
     pass
 
 
-def reference_codes(model, model_dir, messages, clips, voice, images=None):
+def reference_codes(model, model_dir, messages, clips, voice, images=None, forced=None):
     """transformers' codec tokens (up to the end token) two ways: (defined, generated).
 
     Both start from the talker inputs `Qwen2_5OmniForConditionalGeneration.generate()` builds
@@ -30,7 +30,8 @@ def reference_codes(model, model_dir, messages, clips, voice, images=None):
     generated: that talker.generate() itself. transformers 5.x drops an all-ones attention mask
     before the forward, and the talker's forward only adds the codec pad / bos embeddings to
     the prompt when it gets the mask; defined: a greedy loop over the talker's forward given
-    the mask (the model as defined), with generate()'s own logits processors."""
+    the mask (the model as defined), with generate()'s own logits processors. `forced`: token
+    ids the thinker is made to write (then its end token) instead of its greedy choice."""
     text = OmniProcessor(model_dir).prompt_text(messages, speech=True)
     kw = reference_processor(model_dir)(text=[text], audio=clips or None, images=images or None, return_tensors="pt")
     extra = (
@@ -49,12 +50,16 @@ def reference_codes(model, model_dir, messages, clips, voice, images=None):
         captured.update(kwargs)
         raise _Captured
 
+    if forced is not None:
+        end = _im_end(model_dir)
+        extra["thinker_logits_processor"] = [_Forced(kw["input_ids"].shape[1], [*forced, end])]
+    n_text = N_TEXT if forced is None else len(forced) + 1
     talker.generate = observe
     try:
         with torch.no_grad():
             model.generate(
                 input_ids=kw["input_ids"], attention_mask=kw["attention_mask"], speaker=voice,
-                thinker_max_new_tokens=N_TEXT, thinker_min_new_tokens=N_TEXT, thinker_do_sample=False,
+                thinker_max_new_tokens=n_text, thinker_min_new_tokens=n_text, thinker_do_sample=False,
                 talker_do_sample=False, talker_max_new_tokens=N_CODES, talker_eos_token_id=eos, **extra,
             )  # fmt: skip
     except _Captured:
@@ -70,6 +75,24 @@ def reference_codes(model, model_dir, messages, clips, voice, images=None):
     with torch.no_grad():
         out = original(**{**captured, "inputs_embeds": captured["inputs_embeds"].clone()})
     return defined, _until_end(out[0, captured["input_ids"].shape[1] :].tolist(), eos)
+
+
+class _Forced:
+    """A logits processor that makes generate() write the given ids, one per step."""
+
+    def __init__(self, prompt_len, ids):
+        self.prompt_len, self.ids = prompt_len, ids
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.ids[input_ids.shape[1] - self.prompt_len]] = 0
+        return forced
+
+
+def _im_end(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir)).convert_tokens_to_ids("<|im_end|>")
 
 
 def _until_end(codes, eos):
