@@ -14,5 +14,6 @@ ROUTER_MODULES: list[str] = [
     "omnistage.serving.routes.images",  # /v1/images/generations
     "omnistage.serving.routes.jobs",  # /v1/jobs (async jobs, events, outputs; docs/jobs.md)
     "omnistage.serving.routes.videos",  # /v1/videos (OpenAI's video API over jobs)
+    "omnistage.serving.routes.realtime",  # WS /v1/realtime (voice sessions; docs/realtime.md)
     "omnistage.serving.routes.demo",  # GET / the browser demo, /static/* its files (docs/demo.md)
 ]

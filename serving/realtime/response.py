@@ -1,0 +1,210 @@
+"""One response of a realtime session: the pipeline request built from the conversation, and
+its output streamed back as GA events, from `response.created` to `response.done`.
+
+Cancelling the runner's task (barge-in, `response.cancel`, a vanished client) closes the
+pipeline stream, which aborts the request in every stage (KV blocks freed, talker and
+token2wav stop); no delta leaves after that, and `response.done` reports `cancelled`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omnistage.errors import OmnistageError
+from omnistage.serving.realtime.audio import SESSION_RATE, AudioFormat
+from omnistage.serving.realtime.conversation import ContentPart, Item
+from omnistage.serving.realtime.events import new_id, server_event
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class ResponsePlan:
+    """What one response asks of the pipeline (the session's config with the response's overrides)."""
+
+    speaks: bool
+    output_format: AudioFormat
+    voice: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    cache_salt: str
+    instructions: str = ""
+    conversation: str = "auto"  # "none": the answer is not added to the conversation
+    metadata: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    audio: list[dict[str, Any]] = field(default_factory=list)
+
+    def with_prompt(self, messages: list[dict[str, Any]], audio: list[dict[str, Any]]) -> ResponsePlan:
+        return dataclasses.replace(self, messages=messages, audio=audio)
+
+
+@dataclass
+class ResponseState:
+    id: str = field(default_factory=lambda: new_id("resp"))
+    status: str = "in_progress"
+    reason: str | None = None
+    error: dict[str, Any] | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    audio_chunks: list[np.ndarray] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    first_audio_at: float | None = None
+
+    @property
+    def audio_ms(self) -> int:
+        return sum(len(c) for c in self.audio_chunks) * 1000 // SESSION_RATE
+
+
+class ResponseRunner:
+    def __init__(self, served: Any, plan: ResponsePlan, item: Item, send: Send):
+        self.served, self.plan, self.item, self.send = served, plan, item, send
+        self.state = ResponseState()
+        self.task: asyncio.Task | None = None
+        self.previous_item_id: str | None = None
+
+    # -- pipeline request ------------------------------------------------------------------
+    def _inputs_and_params(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        served, plan = self.served, self.plan
+        inputs: dict[str, Any] = {served.port("messages"): plan.messages}
+        if plan.audio:
+            inputs[served.port("audio_in")] = plan.audio
+        fields: dict[str, Any] = {"cache_salt": plan.cache_salt}
+        if plan.max_output_tokens is not None:
+            fields["max_tokens"] = plan.max_output_tokens
+        if plan.temperature is not None:
+            fields["temperature"] = plan.temperature
+        if served.port("audio") is not None:
+            fields["modalities"] = ["text", "audio"] if plan.speaks else ["text"]
+        params = served.stage_params(fields)
+        if plan.speaks and plan.voice and served.serve.speech_params:
+            for stage, values in served.stage_params({"voice": plan.voice}, served.serve.speech_params).items():
+                params.setdefault(stage, {}).update(values)
+        return inputs, params
+
+    def resource(self) -> dict[str, Any]:
+        s = self.state
+        usage = _usage(s.usage)
+        return {
+            "id": s.id,
+            "object": "realtime.response",
+            "status": s.status,
+            "status_details": _status_details(s),
+            "output": [self.item.as_dict()] if s.status != "in_progress" else [],
+            "conversation_id": None if self.plan.conversation == "none" else "conv_default",
+            "output_modalities": ["audio" if self.plan.speaks else "text"],
+            "max_output_tokens": self.plan.max_output_tokens or "inf",
+            "audio": {"output": {"format": self.plan.output_format.as_dict(), "voice": self.plan.voice}},
+            "usage": usage if s.status != "in_progress" else None,
+            "metadata": self.plan.metadata,
+        }
+
+    # -- the events ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Streams the response; returns after `response.done` was sent (also when cancelled)."""
+        s, item = self.state, self.item
+        part = ContentPart("output_audio", transcript="") if self.plan.speaks else ContentPart("output_text", text="")
+        item.content, item.status = [part], "in_progress"
+        ids = {"response_id": s.id, "item_id": item.id, "output_index": 0}
+        try:
+            await self._start(ids)
+            await self._stream(ids)
+            s.status = "completed" if s.usage.get("finish_reason") != "length" else "incomplete"
+            s.reason = "max_output_tokens" if s.status == "incomplete" else None
+        except asyncio.CancelledError:
+            s.status = "cancelled"
+            s.reason = s.reason or "client_cancelled"
+        except OmnistageError as err:
+            s.status, s.error = "failed", {"type": "server_error", "code": err.code, "message": str(err)}
+        await self._finish(ids, part)
+
+    async def _start(self, ids: dict[str, Any]) -> None:
+        s, item = self.state, self.item
+        await self.send(server_event("response.created", response=self.resource()))
+        await self.send(
+            server_event("response.output_item.added", response_id=s.id, output_index=0, item=item.as_dict())
+        )
+        if self.plan.conversation != "none":
+            previous = self.previous_item_id
+            await self.send(server_event("conversation.item.added", previous_item_id=previous, item=item.as_dict()))
+        part_shape = {"type": "audio", "transcript": ""} if self.plan.speaks else {"type": "text", "text": ""}
+        await self.send(server_event("response.content_part.added", **ids, content_index=0, part=part_shape))
+
+    async def _stream(self, ids: dict[str, Any]) -> None:
+        inputs, params = self._inputs_and_params()
+        text_port, audio_port, info_port = (self.served.port(r) for r in ("text", "audio", "info"))
+        kind = "response.output_audio_transcript.delta" if self.plan.speaks else "response.output_text.delta"
+        stream = self.served.pipeline.stream(inputs, params, request_id=self.state.id)
+        try:
+            async for chunk in stream:
+                if chunk.data is None:
+                    continue
+                if chunk.port == text_port and chunk.data:
+                    self.state.text.append(chunk.data)
+                    await self.send(server_event(kind, **ids, content_index=0, delta=chunk.data))
+                elif chunk.port == audio_port and self.plan.speaks and len(chunk.data):
+                    await self._audio_delta(ids, chunk.data)
+                elif chunk.port == info_port:
+                    self.state.usage = {**chunk.data.get("usage", {}), "finish_reason": chunk.data.get("finish_reason")}
+        finally:
+            await stream.aclose()
+
+    async def _audio_delta(self, ids: dict[str, Any], data: Any) -> None:
+        samples = np.asarray(data.detach().cpu() if hasattr(data, "detach") else data, dtype=np.float32).reshape(-1)
+        self.state.audio_chunks.append(samples)
+        if self.state.first_audio_at is None:
+            self.state.first_audio_at = asyncio.get_running_loop().time()
+        delta = base64.b64encode(self.plan.output_format.encode(samples)).decode("ascii")
+        await self.send(server_event("response.output_audio.delta", **ids, content_index=0, delta=delta))
+
+    async def _finish(self, ids: dict[str, Any], part: ContentPart) -> None:
+        s, item = self.state, self.item
+        text = "".join(s.text)
+        if self.plan.speaks:
+            part.transcript = text
+            part.samples = np.concatenate(s.audio_chunks) if s.audio_chunks else np.zeros(0, dtype=np.float32)
+        else:
+            part.text = text
+        item.status = "completed" if s.status == "completed" else "incomplete"
+        if s.status != "cancelled":  # a cancelled response stops its deltas at once
+            if self.plan.speaks:
+                await self.send(server_event("response.output_audio.done", **ids, content_index=0))
+                done = "response.output_audio_transcript.done"
+                await self.send(server_event(done, **ids, content_index=0, transcript=text))
+            else:
+                await self.send(server_event("response.output_text.done", **ids, content_index=0, text=text))
+            shape = {"type": "audio", "transcript": text} if self.plan.speaks else {"type": "text", "text": text}
+            await self.send(server_event("response.content_part.done", **ids, content_index=0, part=shape))
+        await self.send(
+            server_event("response.output_item.done", response_id=s.id, output_index=0, item=item.as_dict())
+        )
+        if self.plan.conversation != "none":
+            await self.send(server_event("conversation.item.done", item=item.as_dict()))
+        await self.send(server_event("response.done", response=self.resource()))
+
+
+def _status_details(s: ResponseState) -> dict[str, Any] | None:
+    if s.status == "cancelled":
+        return {"type": "cancelled", "reason": s.reason}
+    if s.status == "incomplete":
+        return {"type": "incomplete", "reason": s.reason}
+    if s.status == "failed":
+        return {"type": "failed", "error": s.error}
+    return None
+
+
+def _usage(raw: dict[str, Any]) -> dict[str, Any]:
+    prompt, completion = int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0))
+    cached = int(raw.get("cached_tokens") or 0)
+    return {
+        "total_tokens": prompt + completion,
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "input_token_details": {"cached_tokens": cached},  # the thinker counts audio rows as prompt tokens
+        "output_token_details": {"text_tokens": completion},
+    }

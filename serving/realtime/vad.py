@@ -1,0 +1,174 @@
+"""Server VAD: silero-vad over 32 ms frames at 16 kHz, batched across every session of the
+process, and the turn detector that turns its speech probabilities into speech started /
+stopped.
+
+The model is one TorchScript module loaded once (silero-vad ships it); its recurrent state and
+its 64-sample left context are kept per session (`VadStream`), so one forward can carry one
+frame of every session that has audio waiting. `VadBatcher` collects those frames from the
+event loop and runs the forwards on one thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omnistage.serving.realtime.audio import SESSION_RATE, resample
+
+VAD_RATE = 16_000
+FRAME = 512  # samples per silero frame at 16 kHz (32 ms)
+FRAME_MS = FRAME * 1000 // VAD_RATE
+CONTEXT = 64  # left context silero prepends to each frame
+SESSION_FRAME = FRAME * SESSION_RATE // VAD_RATE  # the same 32 ms at the session's 24 kHz
+STATE_SHAPE = (2, 1, 128)
+HYSTERESIS = 0.15  # speech continues while the probability stays above threshold - this
+
+
+class _Model:
+    """The silero network; loaded on first use, shared by every session."""
+
+    _lock = threading.Lock()
+    _net = None
+
+    @classmethod
+    def get(cls):
+        with cls._lock:
+            if cls._net is None:
+                import warnings
+
+                from silero_vad import load_silero_vad
+
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # torch.jit.load's deprecation notice
+                    cls._net = load_silero_vad(onnx=False)._model
+            return cls._net
+
+
+@dataclass
+class VadStream:
+    """One session's silero state, and its audio not yet cut into whole frames."""
+
+    state: np.ndarray = field(default_factory=lambda: np.zeros(STATE_SHAPE, dtype=np.float32))
+    context: np.ndarray = field(default_factory=lambda: np.zeros(CONTEXT, dtype=np.float32))
+    pending: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+
+    def frames(self, samples: np.ndarray) -> np.ndarray:
+        """Session-rate samples in -> whole 16 kHz frames [n, FRAME] (the rest waits)."""
+        self.pending = np.concatenate([self.pending, samples.astype(np.float32)])
+        n = len(self.pending) // SESSION_FRAME
+        if n == 0:
+            return np.zeros((0, FRAME), dtype=np.float32)
+        block, self.pending = self.pending[: n * SESSION_FRAME], self.pending[n * SESSION_FRAME :]
+        return resample(block, SESSION_RATE, VAD_RATE)[: n * FRAME].reshape(n, FRAME)
+
+
+def run_frames(jobs: list[tuple[VadStream, np.ndarray]]) -> list[np.ndarray]:
+    """Speech probabilities of each job's frames: round k runs the k-th frame of every job
+    that has one in one batched forward."""
+    import torch
+
+    net = _Model.get()
+    probs = [np.zeros(len(frames), dtype=np.float32) for _, frames in jobs]
+    rounds = max((len(frames) for _, frames in jobs), default=0)
+    with torch.inference_mode():
+        for k in range(rounds):
+            rows = [i for i, (_, frames) in enumerate(jobs) if len(frames) > k]
+            x = np.stack([np.concatenate([jobs[i][0].context, jobs[i][1][k]]) for i in rows])
+            state = np.concatenate([jobs[i][0].state for i in rows], axis=1)
+            out, new_state = net(torch.from_numpy(x), torch.from_numpy(state))
+            out, new_state = out.numpy().reshape(-1), new_state.numpy()
+            for j, i in enumerate(rows):
+                stream = jobs[i][0]
+                stream.state = new_state[:, j : j + 1].copy()
+                stream.context = jobs[i][1][k][-CONTEXT:].copy()
+                probs[i][k] = out[j]
+    return probs
+
+
+class VadBatcher:
+    """Collects frames from every session on the loop and answers each with its probabilities."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[VadStream, np.ndarray, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omnistage-vad")
+
+    async def probabilities(self, stream: VadStream, frames: np.ndarray) -> np.ndarray:
+        if len(frames) == 0:
+            return np.zeros(0, dtype=np.float32)
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._serve())
+        future = loop.create_future()
+        self._queue.append((stream, frames, future))
+        self._wake.set()
+        return await future
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            jobs, self._queue = self._queue, []
+            if not jobs:
+                continue
+            try:
+                probs = await loop.run_in_executor(self._pool, run_frames, [(s, f) for s, f, _ in jobs])
+            except Exception as exc:  # noqa: BLE001 - every waiting session hears of it
+                for _, _, fut in jobs:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for (_, _, fut), p in zip(jobs, probs):
+                if not fut.done():
+                    fut.set_result(p)
+
+
+@dataclass(frozen=True)
+class VadSettings:
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+
+
+@dataclass
+class TurnEvent:
+    kind: str  # "started" | "stopped"
+    ms: int  # audio_start_ms (prefix padding included) or audio_end_ms, on the session's input clock
+
+
+@dataclass
+class TurnDetector:
+    """Speech start when a frame's probability reaches the threshold; stop after
+    `silence_duration_ms` of frames below threshold - HYSTERESIS."""
+
+    settings: VadSettings
+    speaking: bool = False
+    frames_seen: int = 0
+    silence_ms: int = 0
+
+    def feed(self, probs: np.ndarray, offset_ms: int = 0) -> list[TurnEvent]:
+        events: list[TurnEvent] = []
+        s = self.settings
+        for p in probs:
+            start_ms = offset_ms + self.frames_seen * FRAME_MS
+            self.frames_seen += 1
+            if not self.speaking:
+                if p >= s.threshold:
+                    self.speaking, self.silence_ms = True, 0
+                    events.append(TurnEvent("started", max(0, start_ms - s.prefix_padding_ms)))
+                continue
+            if p >= s.threshold - HYSTERESIS:
+                self.silence_ms = 0
+                continue
+            self.silence_ms += FRAME_MS
+            if self.silence_ms >= s.silence_duration_ms:
+                self.speaking = False
+                events.append(TurnEvent("stopped", start_ms + FRAME_MS - self.silence_ms))
+        return events
