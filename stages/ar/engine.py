@@ -101,6 +101,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced outside step() (aborts)
         self._num_steps = 0
         self._generated_tokens = 0
+        self._computed_tokens = 0  # tokens fed through the model (recomputes after preemption count again)
 
     # ---------------------------------------------------------------- requests
     def add_request(
@@ -204,6 +205,7 @@ class LLMEngine:
             "kv_blocks_cached": len(bm.hash_to_block),
             "steps": self._num_steps,
             "generated_tokens": self._generated_tokens,
+            "computed_tokens": self._computed_tokens,
             "max_model_len": self.max_model_len,
             "decode_buffer_rebuilds": self.decode_buffer.num_rebuilds if self.decode_buffer else 0,
         }
@@ -234,6 +236,7 @@ class LLMEngine:
         for seq, n in flat.ordered:
             row_start[id(seq)] = (r, n)
             seq.num_computed_tokens += n
+            self._computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 sample_seqs.append(seq)
@@ -260,10 +263,7 @@ class LLMEngine:
         for seq in list(sample_seqs) + [s for s, _ in flat.ordered if id(s) not in new_tokens]:
             if seq.is_finished:
                 continue
-            hs = None
-            if self.capture_layers and id(seq) in row_start:
-                a, n = row_start[id(seq)]
-                hs = {i: captured[i % (self.num_layers + 1)][a : a + n].clone() for i in self._requested_layers}
+            hs = self._new_hidden_rows(seq, captured, row_start)
             if id(seq) in new_tokens:
                 tok, lp = new_tokens[id(seq)]
                 seq.append_token(tok)
@@ -277,6 +277,19 @@ class LLMEngine:
         return outputs
 
     # ---------------------------------------------------------------- helpers
+    def _new_hidden_rows(self, seq: Sequence, captured: dict, row_start: dict) -> dict[int, torch.Tensor] | None:
+        """The captured rows of positions seq has not reported yet (a sequence recomputed after
+        a preemption goes over positions it already reported)."""
+        if not self.capture_layers or id(seq) not in row_start:
+            return None
+        a, n = row_start[id(seq)]
+        first = seq.num_computed_tokens - n  # position of the step's first row
+        skip = max(0, seq.num_hidden_reported - first)
+        if skip >= n:
+            return None
+        seq.num_hidden_reported = first + n
+        return {i: captured[i % (self.num_layers + 1)][a + skip : a + n].clone() for i in self._requested_layers}
+
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         child.fork_parent = None
         child.num_cached_tokens = parent.num_cached_tokens

@@ -92,6 +92,8 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not admitted yet)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # hidden-state rows already reported: a recompute after preemption reports only the rest
+    num_hidden_reported: int = 0
     # n > 1: siblings wait until the parent's prompt is computed, then fork its blocks.
     fork_parent: Sequence | None = None
     fork_children: list[Sequence] = field(default_factory=list)
