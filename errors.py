@@ -55,6 +55,7 @@ class WorkerDiedError(StageError):
     the worker's traceback goes to the server log only."""
 
     code = "worker_died"
+    status = 503  # the replica restarts: the same request sent again can succeed (Retry-After)
 
     @classmethod
     def replica_died(cls, stage: str, replica: int, how: str) -> WorkerDiedError:

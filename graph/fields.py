@@ -86,6 +86,17 @@ POOL = {
     "dtype": Field("string", "Weight/activation dtype. Default float32.", enum=DTYPES),
     "threads": Field("integer", "torch intra-op threads per worker. Default 1.", minimum=1),
     "memory": Field("special", "Memory budget per replica, e.g. `2GiB` (KV pools size from it)."),
+    "step_timeout_s": Field(
+        "number",
+        "Watchdog: a worker whose engine step runs longer is killed and restarted; its requests fail "
+        "(retryable). null turns it off. Default 300.",
+        exclusive_minimum=0,
+        nullable=True,
+    ),
+    "max_rss": Field(
+        "special",
+        "Resident memory per worker, e.g. `4GiB`: past it the worker is drained and restarted between requests.",
+    ),
 }
 
 # Knobs of each batching policy (BatchingSpec fields).

@@ -104,13 +104,16 @@ def _pool() -> dict[str, Any]:
                     _ENV_REF,
                 ],
             },
-            "memory": {
-                "description": F.POOL["memory"].doc,
-                "anyOf": [
-                    {"type": "string", "pattern": F.MEMORY_PATTERN},
-                    {"type": "integer", "minimum": 1},
-                    _ENV_REF,
-                ],
+            **{
+                key: {
+                    "description": F.POOL[key].doc,
+                    "anyOf": [
+                        {"type": "string", "pattern": F.MEMORY_PATTERN},
+                        {"type": "integer", "minimum": 1},
+                        _ENV_REF,
+                    ],
+                }
+                for key in ("memory", "max_rss")
             },
         },
     )

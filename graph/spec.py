@@ -55,6 +55,8 @@ class PoolSpec:
     dtype: str = "float32"
     threads: int = 1  # torch intra-op threads per worker process
     memory: str | None = None  # optional budget, e.g. "2GiB" (KV pools size from it)
+    step_timeout_s: float | None = 300.0  # watchdog on one engine step; None: off
+    max_rss: str | None = None  # past it the worker is recycled between requests
     pos: SourcePos | None = None  # where the pool mapping sits in the file (device errors at start)
 
     @property
@@ -65,6 +67,14 @@ class PoolSpec:
         from omnistage.graph.fields import memory_bytes
 
         return memory_bytes(self.memory)
+
+    @property
+    def max_rss_bytes(self) -> int | None:
+        if self.max_rss is None:
+            return None
+        from omnistage.graph.fields import memory_bytes
+
+        return memory_bytes(self.max_rss)
 
     def device_for_replica(self, index: int) -> str:
         return self.devices[index % len(self.devices)]

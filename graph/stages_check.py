@@ -192,7 +192,7 @@ def _pool(node: Node, where: str, report: Report) -> PoolSpec:
     pool.pos = m.pos
     report.keys(m, F.POOL, where, m.pos)
     values = report.fields(m, F.POOL, where)
-    for key in ("replicas", "dtype", "threads"):
+    for key in ("replicas", "dtype", "threads", "step_timeout_s"):
         if key in values:
             setattr(pool, key, values[key])
     if m.get("devices") is not None:
@@ -201,6 +201,8 @@ def _pool(node: Node, where: str, report: Report) -> PoolSpec:
             pool.devices = devices
     if m.get("memory") is not None:
         pool.memory = _memory(m.get("memory"), f"{where}.memory", report)
+    if m.get("max_rss") is not None:
+        pool.max_rss = _memory(m.get("max_rss"), f"{where}.max_rss", report)
     return pool
 
 

@@ -47,6 +47,13 @@ class Shutdown:
 
 
 @dataclass(slots=True)
+class OverMemory:
+    """Worker -> hub: its resident set passed pool.max_rss (runtime/watchdog.py)."""
+
+    rss: int
+
+
+@dataclass(slots=True)
 class PermitFreed:
     """An in-flight permit of one of the worker's out-edges was returned: retry admission."""
 

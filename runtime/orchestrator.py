@@ -38,6 +38,7 @@ from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import (
     Emit,
     EmitBatch,
+    OverMemory,
     PermitsTaken,
     Ready,
     StartFailed,
@@ -55,6 +56,7 @@ from omnistage.runtime.shm import (
     encode,
     release_all,
 )
+from omnistage.runtime.watchdog import check_steps, finish_drains, start_drain
 
 log = logging.getLogger("omnistage.runtime")
 
@@ -297,6 +299,9 @@ class Orchestrator:
                     self._handle_exit(r)
                 self._expire_deadlines()
                 self._recovery.reap_dead_segments()
+                if not self._stopping:
+                    check_steps(self._all_replicas, self.spec)
+                    finish_drains(self._all_replicas)
 
     def _read_messages(self, r: Replica) -> bool:
         """Handle what a worker's pipe holds; False once the pipe is closed."""
@@ -333,6 +338,8 @@ class Orchestrator:
                 self._router.on_emit(r, emit)
         elif isinstance(msg, PermitsTaken):
             self._router.on_permits_taken(r, msg)
+        elif isinstance(msg, OverMemory):
+            start_drain(r, msg.rss)
         elif isinstance(msg, StatsReply):
             r.last_stats = msg.stats
             r.last_stats["seq"] = msg.seq
@@ -375,6 +382,7 @@ class Orchestrator:
                         "replica": r.index,
                         "ready": r.ready,
                         "restarts": r.restarts,
+                        "recycles": r.recycles,
                         "held_requests": len(r.requests),
                         **{k: v for k, v in r.last_stats.items() if k != "seq"},
                     }

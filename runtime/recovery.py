@@ -57,7 +57,7 @@ class Recovery:
         """Fail what the dead replica held, release what it held for others, then restart it
         (unless the pipeline is stopping, its first start failed, or restarts gave up)."""
         self._read_last_messages(r)  # what it sent before dying still counts
-        how = exit_description(r.proc)
+        how = r.health.killed_for or exit_description(r.proc)
         was_ready = r.mark_down()
         r.last_stats = {}  # the dead process's figures no longer describe anything
         r.close_conn()
@@ -82,7 +82,11 @@ class Recovery:
     def _fail_held_requests(self, r: Replica, how: str) -> None:
         """Fail exactly the requests routed to the dead replica and not finished there."""
         held = [self.router.requests[rid] for rid in list(r.requests) if rid in self.router.requests]
-        r.requests.clear()
+        if r.health.recycled:  # a planned restart: requests still waiting for it wait on
+            held = [req for req in held if req.rid in r.health.keep]
+            r.requests.difference_update(r.health.keep)
+        else:
+            r.requests.clear()
         self._release_slots_of_dead_reader(r, held)
         for req in held:
             self.router.finish(req, WorkerDiedError.replica_died(r.stage, r.index, how), "worker_died")

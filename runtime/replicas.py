@@ -30,6 +30,7 @@ from typing import Any
 from omnistage.graph.spec import PipelineSpec
 from omnistage.runtime.messages import Shutdown, send_msg
 from omnistage.runtime.openmp import apply_openmp_defaults
+from omnistage.runtime.watchdog import Health, StepClock
 from omnistage.runtime.worker import WorkerConfig, worker_main
 
 MAX_RESTART_FAILURES = 3
@@ -118,6 +119,9 @@ class Replica:
     pending: list = field(default_factory=list)  # messages held while the worker starts
     requests: set = field(default_factory=set)  # request ids routed here, not finished here
     last_stats: dict = field(default_factory=dict)
+    step_clock: StepClock | None = None  # the current process's step start (the watchdog reads it)
+    health: Health = field(default_factory=Health)  # the current process's watchdog / recycle state
+    recycles: int = 0  # restarts for memory (pool.max_rss), also counted in `restarts`
 
     @property
     def name(self) -> str:
@@ -167,8 +171,13 @@ class Replica:
         return AfterDeath.RESTART
 
     def begin_restart(self) -> None:
-        """A new process (the next generation) is about to replace the dead one."""
-        self.pending.clear()
+        """A new process (the next generation) is about to replace the dead one. After a
+        planned recycle the held messages are kept: they belong to live requests."""
+        if self.health.recycled:
+            self.recycles += 1
+        else:
+            self.pending.clear()
+        self.health = Health()
         self.generation += 1
         self.restarts += 1
         self.state = ReplicaState.RESTARTING
@@ -213,7 +222,9 @@ class WorkerProcesses:
     def spawn(self, r: Replica, permits: dict[int, Any]) -> None:
         """Start a process for the replica's current generation (state is the caller's)."""
         parent_conn, child_conn = self.ctx.Pipe(duplex=True)
+        r.step_clock = StepClock(self.ctx)
         cfg = WorkerConfig(self.spec, r.stage, r.index, r.device, self.shm_prefix, permits, r.generation)
+        cfg.step_clock = r.step_clock
         proc = self.ctx.Process(
             target=worker_main, args=(cfg, child_conn), name=f"omnistage:{self.spec.name}:{r.name}", daemon=True
         )

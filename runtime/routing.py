@@ -22,6 +22,7 @@ from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import Abort, Deliver, Emit, PermitFreed, PermitsTaken, RequestMeta, send_msg
 from omnistage.runtime.replicas import Replica, ReplicaState
 from omnistage.runtime.shm import SegmentReader, decode, iter_refs, release_all
+from omnistage.runtime.watchdog import holds_back
 from omnistage.stages.contracts import combine_chunks
 
 log = logging.getLogger("omnistage.runtime")
@@ -125,14 +126,15 @@ class Router:
         r = req.replicas.get(stage)
         if r is None:
             reps = [x for x in self.replicas[stage] if x.state is not ReplicaState.DEAD]
-            ready = [x for x in reps if x.ready] or reps or self.replicas[stage]
+            fresh = [x for x in reps if x.ready and not x.health.draining]  # a draining one takes nothing new
+            ready = fresh or [x for x in reps if x.ready] or reps or self.replicas[stage]
             r = min(ready, key=lambda x: len(x.requests))
             req.replicas[stage] = r
             r.requests.add(req.rid)
         return r
 
     def send(self, r: Replica, msg) -> None:
-        if not r.ready:
+        if not r.ready or holds_back(r, msg):
             r.pending.append(msg)
             return
         try:

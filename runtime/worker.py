@@ -49,6 +49,7 @@ from omnistage.runtime.messages import (
     send_msg,
 )
 from omnistage.runtime.shm import SegmentPool, SegmentReader, decode, encode, worker_pool_prefix
+from omnistage.runtime.watchdog import MemoryWatch
 from omnistage.stages.base import Emission, StageContext, StageEngine
 from omnistage.stages.contracts import error_emission
 
@@ -70,6 +71,7 @@ class WorkerConfig:
     # spec.edges index -> multiprocessing semaphore, for this stage's out-edges with max_inflight
     permits: dict[int, Any] = field(default_factory=dict)
     generation: int = 0
+    step_clock: Any = None  # runtime.watchdog.StepClock: stamped around every engine step
 
 
 def process_title(cfg: WorkerConfig) -> str:
@@ -161,6 +163,7 @@ class Worker:
         self.engine_stats: dict[str, Any] = {}
         self.engine_stats_at = 0.0
         self.stats_dirty = True
+        self.memory = MemoryWatch(self.spec.stages[cfg.stage].pool.max_rss_bytes)
 
     # -- transport -------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -241,6 +244,7 @@ class Worker:
                 self._admit_waiting()
             if self.running and engine.has_work():
                 self._step()
+            self.memory.check(self.send)
         self._shutdown()
 
     def _drain(self, timeout: float | None) -> None:
@@ -340,6 +344,9 @@ class Worker:
         engine = self.engine
         n_log = len(engine.step_log)
         t0 = time.perf_counter()
+        clock = self.cfg.step_clock
+        if clock is not None:
+            clock.begin()  # the hub's watchdog kills a step that never returns
         try:
             emissions = engine.step()
         except Exception as exc:  # noqa: BLE001 - an engine bug fails what it held, not the worker
@@ -347,6 +354,9 @@ class Worker:
             for rid in list(self.active):
                 self._fail(rid, RuntimeError(f"engine step failed: {type(exc).__name__}: {exc}"))
             return
+        finally:
+            if clock is not None:
+                clock.end()
         ms = (time.perf_counter() - t0) * 1000.0
         self.stats_dirty = True
         log = engine.step_log

@@ -57,7 +57,7 @@ def test_omnistage_errors_map_by_status_and_code():
         "overloaded": (503, "server_error", "overloaded"),
         "deadline": (504, "server_error", "deadline_exceeded"),
         "stage": (500, "server_error", "stage_error"),
-        "died": (500, "server_error", "worker_died"),
+        "died": (503, "server_error", "worker_died"),
         "bug": (500, "server_error", "internal_error"),
     }
     with TestClient(_app(), raise_server_exceptions=False) as client:
