@@ -20,8 +20,9 @@ zeroed, as transformers hands them to the talker, plus the last layer's hidden s
 {"reply": [k, hidden]} rows (token embedding + last hidden state) for each generated token as
 it is fed back. With an image the prompt chunk also carries "positions" (3, P), which the
 talker's prefill continues. With a `speak` text the reply is forced: that text's tokens are
-prefilled after the prompt and streamed as reply rows (stages/omni/speak.py). A request whose prompt rows are needed skips prefix-cache hits (cached
-positions are not run, so their hidden states would be missing).
+prefilled after the prompt and streamed as reply rows (stages/omni/speak.py). Positions
+served from the prefix cache are not run; their rows come from the talker rows kept per
+cached block (stages/omni/talker_rows.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from omnistage.stages.omni.speak import (
     speak_params,
     speak_text,
 )
+from omnistage.stages.omni.talker_rows import BlockRows, TalkerRowStore, spoken_salt
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
@@ -112,6 +114,7 @@ class _TalkerFeed:
     num_prompt: int
     media_mask: torch.Tensor | None
     positions: torch.Tensor | None
+    blocks: BlockRows | None = None  # None: prefix caching off
     prompt_rows: list[torch.Tensor] = field(default_factory=list)
     rows_seen: int = 0
 
@@ -150,6 +153,9 @@ class ThinkerStage(ARLMStage):
         self.spatial_merge = int(thinker_cfg.get("vision_config", {}).get("spatial_merge_size", 2))
         self.position_id_per_seconds = float(thinker_cfg.get("position_id_per_seconds", 25))
         self._feeds: dict[str, _TalkerFeed] = {}
+        self._block_size = params["block_size"]
+        caching = params["enable_prefix_caching"]
+        self._talker_rows = TalkerRowStore(self.engine.num_total_blocks) if caching else None
         self._admitting: OmniPrompt | None = None
         self._speech = False
         self._forcing: ForcedReply | None = None  # the speak request being admitted
@@ -167,8 +173,8 @@ class ThinkerStage(ARLMStage):
         own = REQUEST_PARAMS.validate({k: params.pop(k) for k in ("return_audio", "modalities") if k in params})
         speech = own["return_audio"] if own["modalities"] is None else "audio" in own["modalities"]
         wants_rows = speech and self.talker_output
-        if wants_rows:  # a unique salt: no prefix-cache hits, every prompt row is computed
-            params["cache_salt"] = f"{params.get('cache_salt') or ''}\0talker:{request.request_id}"
+        if wants_rows:  # hits only blocks a spoken request computed: their talker rows are kept
+            params["cache_salt"] = spoken_salt(params.get("cache_salt"))
         self._speech = speech
         super()._admit(dataclasses.replace(request, params=params))
         prompt = self._admitting
@@ -178,7 +184,11 @@ class ThinkerStage(ARLMStage):
             self._forced[request.request_id] = forced
         if wants_rows:
             positions = prompt.positions[:, :num_prompt] if prompt.positions is not None else None
-            self._feeds[request.request_id] = _TalkerFeed(num_prompt, prompt.media_mask, positions)
+            feed = _TalkerFeed(num_prompt, prompt.media_mask, positions)
+            if self._talker_rows is not None:
+                keys = list(prompt.cache_keys or prompt.token_ids)
+                feed.blocks = BlockRows(keys, params["cache_salt"], self._block_size)
+            self._feeds[request.request_id] = feed
 
     def _sequence_options(self) -> SequenceOptions | None:
         prompt = self._admitting
@@ -265,7 +275,7 @@ class ThinkerStage(ARLMStage):
         hidden = emission.outputs.pop("hidden_states", None)
         feed = self._feeds.get(live.request_id)
         if feed is not None and hidden is not None:
-            chunk = self._talker_chunk(feed, hidden)
+            chunk = self._talker_chunk(feed, hidden, live)
             if chunk is not None:
                 emission.outputs["talker_embeds"] = chunk
         if live.request_id in self._forced:
@@ -289,16 +299,27 @@ class ThinkerStage(ARLMStage):
             usage["prompt_tokens"], usage["completion_tokens"] = forced.num_prompt, len(forced.ids)
             out["info"]["finish_reason"] = "stop"
 
-    def _talker_chunk(self, feed: _TalkerFeed, hidden: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    def _talker_chunk(self, feed: _TalkerFeed, hidden: torch.Tensor, live) -> dict[str, torch.Tensor] | None:
         """hidden [rows, 2, H] (layer 0, last layer) of the rows run this step -> the talker's
-        input rows: embedding (multimodal rows zeroed in the prompt) + last hidden state."""
+        input rows: embedding (multimodal rows zeroed in the prompt) + last hidden state; the
+        rows of prefix-cached positions come from the row store (stages/omni/talker_rows.py)."""
         start = feed.rows_seen
-        feed.rows_seen += hidden.shape[0]
+        cached = None
+        if start == 0 and live.num_cached_tokens and feed.blocks is not None:
+            cached = feed.blocks.cached(self._talker_rows, live.num_cached_tokens)
+            start = live.num_cached_tokens
         embed = hidden[:, 0].clone()
-        n_prompt = max(0, min(feed.num_prompt, feed.rows_seen) - start)
+        n_prompt = max(0, min(feed.num_prompt, start + hidden.shape[0]) - start)
         if n_prompt and feed.media_mask is not None:
             embed[:n_prompt][feed.media_mask[start : start + n_prompt]] = 0
         rows = embed + hidden[:, 1]
+        if feed.blocks is not None:
+            hashes_held = self.engine.block_manager.hash_to_block
+            feed.blocks.record(self._talker_rows, rows, live.tokens[0], hashes_held)
+        if cached is not None:
+            rows, start = torch.cat([cached, rows]), 0
+        feed.rows_seen = start + rows.shape[0]
+        n_prompt = max(0, min(feed.num_prompt, feed.rows_seen) - start)
         chunk: dict[str, torch.Tensor] = {}
         if n_prompt:
             feed.prompt_rows.append(rows[:n_prompt])
