@@ -97,6 +97,25 @@ POOL = {
         "special",
         "Resident memory per worker, e.g. `4GiB`: past it the worker is drained and restarted between requests.",
     ),
+    "autoscaling": Field(
+        "mapping",
+        "Ray Serve backend: {min_replicas, max_replicas, initial_replicas, target_ongoing_requests, resources} "
+        "(Serve's autoscaling_config; replaces `replicas` there, ignored embedded).",
+    ),
+}
+
+# A pool's `autoscaling:` block, read by the Ray Serve backend only (ray_serve/options.py maps
+# it onto Serve's autoscaling_config; the embedded runtime runs `replicas` workers).
+AUTOSCALING = {
+    "min_replicas": Field("integer", "Fewest replicas Serve keeps. Default 1.", minimum=0),
+    "max_replicas": Field("integer", "Most replicas Serve starts.", required=True, minimum=1),
+    "initial_replicas": Field("integer", "Replicas at deployment. Default min_replicas.", minimum=0),
+    "target_ongoing_requests": Field(
+        "number",
+        "Requests in flight per replica Serve scales towards (each request counts at every stage).",
+        exclusive_minimum=0,
+    ),
+    "resources": Field("special", "Custom Ray resources per replica, {name: amount} (pins a stage to nodes)."),
 }
 
 # Knobs of each batching policy (BatchingSpec fields).

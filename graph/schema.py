@@ -115,6 +115,16 @@ def _pool() -> dict[str, Any]:
                 }
                 for key in ("memory", "max_rss")
             },
+            "autoscaling": _object(
+                F.AUTOSCALING,
+                {
+                    "resources": {
+                        "description": F.AUTOSCALING["resources"].doc,
+                        "type": "object",
+                        "additionalProperties": {"type": "number", "minimum": 0},
+                    }
+                },
+            ),
         },
     )
 

@@ -203,7 +203,34 @@ def _pool(node: Node, where: str, report: Report) -> PoolSpec:
         pool.memory = _memory(m.get("memory"), f"{where}.memory", report)
     if m.get("max_rss") is not None:
         pool.max_rss = _memory(m.get("max_rss"), f"{where}.max_rss", report)
+    if m.get("autoscaling") is not None:
+        pool.autoscaling = _autoscaling(m.get("autoscaling"), f"{where}.autoscaling", report)
     return pool
+
+
+def _autoscaling(node: Node, where: str, report: Report) -> dict | None:
+    m = report.mapping(node, where, node.pos)
+    if m is None:
+        return None
+    report.keys(m, F.AUTOSCALING, where, m.pos)
+    values = report.fields(m, F.AUTOSCALING, where)
+    low, high = values.get("min_replicas", 1), values.get("max_replicas")
+    initial = values.get("initial_replicas", low)
+    if high is not None and not low <= initial <= high:
+        report.add(
+            m.pos, f"{where}: needs min_replicas <= initial_replicas <= max_replicas, got {low}, {initial}, {high}"
+        )
+    resources = report.mapping(m.get("resources"), f"{where}.resources", m.pos)
+    if resources is not None:
+        amounts = {}
+        for name, amount in resources.entries.items():
+            value = amount.value if isinstance(amount, ScalarNode) else None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                report.add(amount.pos, f"{where}.resources.{name} must be a number >= 0, got {describe(amount)}")
+            else:
+                amounts[name] = value
+        values["resources"] = amounts
+    return values
 
 
 _CUDA_TYPO = re.compile(r"^(?:cuda|gpu|cud|cuda_|cuda-)\s*[:_\- ]?\s*([0-9]+)$", re.I)
