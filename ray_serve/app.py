@@ -17,6 +17,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from omnistage.ray_serve.config import ROUTER_PATH
 from omnistage.ray_serve.options import (
     BackendOptions,
     PipelineSource,
@@ -24,9 +25,6 @@ from omnistage.ray_serve.options import (
     stage_options,
 )
 from omnistage.ray_serve.replica import StageReplica
-from omnistage.ray_serve.router import ROUTER_PATH
-
-APP_NAME = "omnistage"
 
 
 class Ingress:

@@ -83,7 +83,7 @@ class RayDriver:
                 return
             self.started = True
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._watch_health(), self.loop)
+        self._health_task = asyncio.run_coroutine_threadsafe(self._watch_health(), self.loop)
 
     async def _watch_health(self) -> None:
         from ray import serve
@@ -140,9 +140,20 @@ class RayDriver:
                 self._router.finish(req, error, "closed")
             self.closed = True
         if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), self.loop).result(timeout=5)  # aborts leave
+            asyncio.run_coroutine_threadsafe(self._stop_tasks(), self.loop).result(timeout=10)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self.loop.close()
+
+    async def _stop_tasks(self) -> None:
+        """Let the aborts just sent leave, then end every task of this loop."""
+        await asyncio.sleep(0.05)
+        self._health_task.cancel()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- requests -------------------------------------------------------------------------------
     def submit(

@@ -13,7 +13,6 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve.request_router import PendingRequest, RunningReplica
 
 PIN_KWARG = "replica"
-ROUTER_PATH = "omnistage.ray_serve.router:PinnedRouter"
 
 
 class PinnedRouter(PowerOfTwoChoicesRequestRouter):

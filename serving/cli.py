@@ -23,6 +23,25 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_ray_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--ray-cpus-per-thread",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="Ray CPUs a stage replica reserves per pool thread (below 1 oversubscribes; --backend ray)",
+    )
+    p.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP ingress (--backend ray)")
+
+
+def _ray_options(args: argparse.Namespace):
+    from omnistage.ray_serve.options import BackendOptions
+
+    keys = list(getattr(args, "api_keys", []))
+    drain = getattr(args, "drain_timeout", 30.0)
+    return BackendOptions(args.ray_cpus_per_thread, args.ingress_replicas, drain_timeout=drain, api_keys=keys)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--set tiny-llm:stages.llm.pool.threads=2",
     )
 
+    _add_ray_options(p)
+    p.add_argument(
+        "--backend",
+        choices=["embedded", "ray"],
+        default="embedded",
+        help="embedded: worker processes on this machine; ray: Ray Serve deployments (RAY_ADDRESS or a local Ray)",
+    )
+
+    p = sub.add_parser(
+        "ray-config", help="print the Ray Serve config (serve run / serve deploy / KubeRay) of pipelines"
+    )
+    p.add_argument("configs", nargs="+", help="pipeline YAML files or names under configs/")
+    p.add_argument("--host", default="0.0.0.0", help="Serve's HTTP proxy address")
+    p.add_argument("--port", type=int, default=8000)
+    _add_ray_options(p)
+    _add_overrides(p)
+
     p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
     p.add_argument("file")
     _add_overrides(p)
@@ -100,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "ray-config") and (args.command == "ray-config" or args.backend == "ray"):
+        import importlib
+
+        # the Ray backend sits above serving (it hosts the app as its ingress): imported by name
+        ray_cli = importlib.import_module("omnistage.ray_serve.cli")
+        if args.command == "ray-config":
+            return ray_cli.ray_config_command(args.configs, args.overrides, _ray_options(args), args.host, args.port)
+        return ray_cli.serve_on_ray(
+            args.configs, args.host, args.port, args.overrides, _ray_options(args), args.log_level
+        )
     if args.command == "serve":
         from omnistage.serving.server import serve
 

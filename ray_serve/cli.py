@@ -1,0 +1,84 @@
+"""`omnistage serve --backend ray` and `omnistage ray-config` (serving/cli.py parses them).
+
+`serve_on_ray` connects to the cluster at RAY_ADDRESS, or starts a local Ray with this
+machine's CPUs, runs the application (stage deployments + the FastAPI ingress) with Serve's
+HTTP proxy on HOST:PORT, and on SIGINT/SIGTERM deletes the application (and stops the local
+Ray it started).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from omnistage.ray_serve.config import APP_NAME, dump_yaml, serve_config
+from omnistage.ray_serve.options import BackendOptions, PipelineSource
+
+log = logging.getLogger("omnistage.ray_serve")
+
+
+def _checked(configs: list[str], overrides: list[str]) -> PipelineSource | None:
+    from omnistage.graph.loader import PipelineValidationError
+
+    source = PipelineSource.resolve(configs, overrides)
+    try:
+        source.load_all()
+    except PipelineValidationError as err:
+        for line in err.problems:
+            print(line, file=sys.stderr)
+        return None
+    except (OSError, ValueError) as err:
+        print(f"omnistage: {err}", file=sys.stderr)
+        return None
+    return source
+
+
+def ray_config_command(configs: list[str], overrides: list[str], opts: BackendOptions, host: str, port: int) -> int:
+    if _checked(configs, overrides) is None:
+        return 2
+    sys.stdout.write(dump_yaml(serve_config(configs, overrides, opts, host=host, port=port)))
+    return 0
+
+
+def serve_on_ray(
+    configs: list[str], host: str, port: int, overrides: list[str], opts: BackendOptions, log_level: str = "info"
+) -> int:
+    from omnistage.serving.registry import default_config_paths
+    from omnistage.serving.server import quiet_third_party_output
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
+    quiet_third_party_output(log_level)  # replicas inherit the driver's environment
+    configs = list(configs) or [str(p) for p in default_config_paths()]
+    source = _checked(configs, overrides)
+    if source is None:
+        return 2
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        print("omnistage serve --backend ray: install the ray extra (pip install 'omnistage[ray]')", file=sys.stderr)
+        return 2
+    from omnistage.ray_serve.app import build_app
+
+    address = os.environ.get("RAY_ADDRESS")
+    ray.init(address=address or None, num_cpus=None if address else os.cpu_count(), include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        args: dict[str, Any] = {**source.to_dict(), "options": opts.to_dict()}
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        log.info("serving %s on http://%s:%d through Ray Serve", ", ".join(source.configs), host, port)
+        stop.wait()
+        log.info("stopping: deleting the Serve application")
+        serve.delete(APP_NAME)
+    finally:
+        if not address:
+            serve.shutdown()
+        ray.shutdown()
+    return 0
