@@ -73,7 +73,7 @@ class AudioFormat:
         """float32 samples at SESSION_RATE -> raw bytes in this format."""
         x = np.clip(resample(np.asarray(samples, dtype=np.float32).reshape(-1), SESSION_RATE, self.rate), -1.0, 1.0)
         if self.type == "audio/pcm":
-            return (x * 32767.0).round().astype("<i2").tobytes()
+            return np.clip((x * 32768.0).round(), -32768, 32767).astype("<i2").tobytes()  # inverse of decode
         return (ulaw_encode(x) if self.type == "audio/pcmu" else alaw_encode(x)).tobytes()
 
 

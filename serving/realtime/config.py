@@ -83,6 +83,8 @@ class SessionIn(_Strict):
     input_audio_transcription: Any = None
     max_response_output_tokens: int | Literal["inf"] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    # omnistage's extension: a seeded session answers reproducibly (every stage's sampling and noise)
+    seed: int | None = Field(default=None, ge=0)
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class SessionConfig:
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     max_output_tokens: int | None = None
     temperature: float | None = None
+    seed: int | None = None
 
     @property
     def speaks(self) -> bool:
@@ -158,6 +161,8 @@ class SessionConfig:
             "truncation": "auto",
             "include": None,
             "prompt": None,
+            "temperature": self.temperature,
+            "seed": self.seed,
         }
 
     def updated(self, payload: Any) -> SessionConfig:
@@ -183,8 +188,9 @@ class SessionConfig:
             if limit != "inf" and limit < 1:
                 raise ConfigError("max_output_tokens must be >= 1 or 'inf'", "session.max_output_tokens")
             changes["max_output_tokens"] = None if limit == "inf" else limit
-        if new.temperature is not None:
-            changes["temperature"] = new.temperature
+        for key in ("temperature", "seed"):
+            if getattr(new, key) is not None:
+                changes[key] = getattr(new, key)
         changes.update(self._audio_changes(new))
         return dataclasses.replace(self, **changes)
 

@@ -73,6 +73,7 @@ def response_plan(config: SessionConfig, raw: dict[str, Any], salt: str) -> tupl
         max_output_tokens=config.max_output_tokens if limit is None else (None if limit == "inf" else limit),
         temperature=o.temperature if o.temperature is not None else config.temperature,
         cache_salt=salt,
+        seed=config.seed,
         instructions=o.instructions if o.instructions is not None else config.instructions,
         conversation=o.conversation or "auto",
         metadata=o.metadata,

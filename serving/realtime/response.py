@@ -35,6 +35,7 @@ class ResponsePlan:
     max_output_tokens: int | None
     temperature: float | None
     cache_salt: str
+    seed: int | None = None
     instructions: str = ""
     conversation: str = "auto"  # "none": the answer is not added to the conversation
     metadata: dict[str, Any] | None = None
@@ -79,11 +80,14 @@ class ResponseRunner:
             fields["max_tokens"] = plan.max_output_tokens
         if plan.temperature is not None:
             fields["temperature"] = plan.temperature
+        if plan.seed is not None:
+            fields["seed"] = plan.seed
         if served.port("audio") is not None:
             fields["modalities"] = ["text", "audio"] if plan.speaks else ["text"]
         params = served.stage_params(fields)
-        if plan.speaks and plan.voice and served.serve.speech_params:
-            for stage, values in served.stage_params({"voice": plan.voice}, served.serve.speech_params).items():
+        speech = {k: v for k, v in (("voice", plan.voice), ("seed", plan.seed)) if v is not None}
+        if plan.speaks and speech and served.serve.speech_params:
+            for stage, values in served.stage_params(speech, served.serve.speech_params).items():
                 params.setdefault(stage, {}).update(values)
         return inputs, params
 
