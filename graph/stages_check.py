@@ -217,9 +217,8 @@ def _autoscaling(node: Node, where: str, report: Report) -> dict | None:
     low, high = values.get("min_replicas", 1), values.get("max_replicas")
     initial = values.get("initial_replicas", low)
     if high is not None and not low <= initial <= high:
-        report.add(
-            m.pos, f"{where}: needs min_replicas <= initial_replicas <= max_replicas, got {low}, {initial}, {high}"
-        )
+        at = (m.get("initial_replicas") or m.get("max_replicas")).pos
+        report.add(at, f"{where}: needs min_replicas <= initial_replicas <= max_replicas, got {low}, {initial}, {high}")
     resources = report.mapping(m.get("resources"), f"{where}.resources", m.pos)
     if resources is not None:
         amounts = {}

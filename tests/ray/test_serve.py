@@ -122,7 +122,7 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(embedded, ray_
 
     async def long_llm(started: threading.Event):
         try:
-            async for chunk in llm.stream({"prompt": PROMPTS[0]}, LONG):
+            async for _chunk in llm.stream({"prompt": PROMPTS[0]}, LONG):
                 started.set()
         except Exception as exc:  # noqa: BLE001 - what the test looks at
             results["llm"] = exc
