@@ -6,12 +6,17 @@ stage params max_inference_steps
 (default 1000), max_images_per_prompt (64), max_frames (1024), max_pixels (4096x4096)) and
 prepares its DenoiseState (latents from its own generator, its own scheduler); every step() runs one shared transformer forward through the StepEngine
 and emits progress (step i of n) for each request in it, and the final latents when done.
+An `image` input makes the request image-to-image (its `strength`, stages/diffusion/img2img.py);
+with the stage param `previews`, a request's `partial_images` leave on the streamed `preview`
+port as pixels decoded from the denoiser's estimate at evenly spaced steps.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from omnistage.errors import InvalidRequestError
-from omnistage.stages.base import Emission, Port, StageEngine, StageRequest
+from omnistage.stages.base import ABSENT, Emission, Port, StageEngine, StageRequest
 from omnistage.stages.contracts import error_emission
 from omnistage.stages.diffusion.adapters.base import (
     GENERATION_PARAMS,
@@ -49,6 +54,12 @@ STAGE_PARAMS = ParamSet(
             nullable=True,
         ),
         Param(
+            "previews",
+            "boolean",
+            False,
+            "Declare the streamed `preview` output (images decoded at a request's partial_images steps).",
+        ),
+        Param(
             "defaults",
             "mapping",
             None,
@@ -67,12 +78,20 @@ class DenoiserStage(StageEngine):
         "prompt_embeds": Port("embeddings"),
         "pooled_prompt_embeds": Port("embeddings", optional=True),
         "prompt_mask": Port("tensor", optional=True),
+        "image": Port("image", optional=True),  # init image: image-to-image
     }
     outputs = {"latents": Port("latents")}
     batching_policies = ("step",)
     needs_model = True
     stage_params = STAGE_PARAMS
     request_params = GENERATION_PARAMS
+
+    @classmethod
+    def ports(cls, params: dict[str, Any]):
+        outputs = dict(cls.outputs)
+        if (params or {}).get("previews"):
+            outputs["preview"] = Port("image", streaming=True)
+        return dict(cls.inputs), outputs
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -95,6 +114,8 @@ class DenoiserStage(StageEngine):
             "num_frames": p["max_frames"],
         }
         self.max_pixels = p["max_pixels"]
+        self.previews = bool(p["previews"])
+        self._previewed: set[str] = set()
 
     def _check_limits(self, params: GenerationParams) -> None:
         for key, limit in self.limits.items():
@@ -106,6 +127,11 @@ class DenoiserStage(StageEngine):
                 f"width x height must be <= {self.max_pixels} pixels on this server, got "
                 f"{params.width}x{params.height}",
                 param="width",
+            )
+        if params.partial_images and not (self.previews and self.adapter.previews):
+            why = "has no preview output (stage param previews)" if self.adapter.previews else "cannot preview"
+            raise InvalidRequestError(
+                f"partial_images: this {self.adapter.family} denoiser {why}", param="partial_images"
             )
 
     def add(self, request: StageRequest) -> None:
@@ -123,7 +149,13 @@ class DenoiserStage(StageEngine):
             )
             if self.engine.state(rid) is not None:
                 raise ValueError(f"request {rid!r} is already denoising")
-            state = self.adapter.prepare(rid, params, text)
+            image = request.inputs.get("image")
+            if image is None:
+                state = self.adapter.prepare(rid, params, text)
+            elif self.adapter.image_input:
+                state = self.adapter.prepare(rid, params, text, image=image)
+            else:
+                raise InvalidRequestError(f"image: the {self.adapter.family} denoiser has no image-to-image", "image")
         except Exception as exc:  # noqa: BLE001 - this request fails alone (invalid: 400, else 500)
             self._errors.append(error_emission(rid, exc))
             return
@@ -131,6 +163,7 @@ class DenoiserStage(StageEngine):
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+        self._previewed.discard(request_id)
         self._errors = [e for e in self._errors if e.request_id != request_id]
 
     def has_work(self) -> bool:
@@ -143,11 +176,18 @@ class DenoiserStage(StageEngine):
         emissions, self._errors = self._errors, []
         for ev in self.engine.step():
             if ev.error is not None:
+                self._previewed.discard(ev.request_id)
                 emissions.append(Emission(ev.request_id, error=ev.error, error_kind=ev.error_kind, finished=True))
             elif ev.finished:
-                emissions.append(
-                    Emission(ev.request_id, outputs={"latents": ev.latents}, finished=True, progress=ev.progress)
-                )
+                outputs = {"latents": ev.latents}
+                if self.previews and ev.request_id not in self._previewed:
+                    outputs["preview"] = ABSENT
+                self._previewed.discard(ev.request_id)
+                emissions.append(Emission(ev.request_id, outputs=outputs, finished=True, progress=ev.progress))
+            elif ev.preview is not None:
+                self._previewed.add(ev.request_id)
+                pixels = self.adapter.decode_preview(ev.preview)
+                emissions.append(Emission(ev.request_id, outputs={"preview": pixels}, progress=ev.progress))
             else:
                 emissions.append(Emission(ev.request_id, progress=ev.progress))
         return emissions

@@ -44,6 +44,7 @@ class StepEvent:
     latents: torch.Tensor | None = None  # VAE-layout latents when finished
     error: str | None = None
     error_kind: str = "internal"
+    preview: torch.Tensor | None = None  # estimated clean latents after a preview step
 
 
 @dataclass
@@ -301,7 +302,7 @@ class StepEngine:
                     self.completed += 1
                 self._remove(rid)
             else:
-                events.append(StepEvent(rid, progress))
+                events.append(StepEvent(rid, progress, preview=s.extra.pop("preview", None)))
         return events
 
     def _log(self, record: StepRecord) -> None:

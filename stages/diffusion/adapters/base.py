@@ -53,6 +53,7 @@ class ComponentLoading:
 # -- parameters -------------------------------------------------------------------------------
 
 OUTPUT_TYPES = ("uint8", "float")
+MAX_PARTIAL_IMAGES = 8
 
 # Per-request generation params: every diffusion stage (text_encoder, denoiser, vae_decoder)
 # accepts the same set under its own stage name and reads what it needs. None = the family's
@@ -96,6 +97,23 @@ GENERATION_PARAMS = ParamSet(
             "uint8 pixels in [0, 255] or float pixels in [0, 1].",
             choices=OUTPUT_TYPES,
         ),
+        Param(
+            "strength",
+            "number",
+            None,
+            "Image-to-image (an `image` input given): how far the image is noised, 0-1; default 0.6.",
+            minimum=0,
+            maximum=1,
+            nullable=True,
+        ),
+        Param(
+            "partial_images",
+            "integer",
+            0,
+            "Previews decoded from the denoiser's estimate at evenly spaced steps (its `preview` port).",
+            minimum=0,
+            maximum=MAX_PARTIAL_IMAGES,
+        ),
     ),
 )
 
@@ -127,6 +145,8 @@ class GenerationParams:
     num_images_per_prompt: int = 1
     max_sequence_length: int | None = None
     output_type: str = "uint8"
+    strength: float | None = None
+    partial_images: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> GenerationParams:
@@ -252,6 +272,10 @@ class DenoiserAdapter(ComponentLoading):
 
     family: ClassVar[str] = ""
     component_names: ClassVar[tuple[str, ...]] = ("transformer", "scheduler", "vae")
+    # families whose prepare() takes an init image (img2img) and which decode previews
+    # (`estimate` and `decode_preview`, steps listed in state.extra["preview_steps"])
+    image_input: ClassVar[bool] = False
+    previews: ClassVar[bool] = False
 
     def __init__(self, components: dict[str, Any], device: torch.device, dtype: torch.dtype):
         self.components = components
@@ -318,11 +342,21 @@ class DenoiserAdapter(ComponentLoading):
 
     def step(self, state: DenoiseState, model_output: torch.Tensor) -> None:
         """Advance one request by one sampler step with its own scheduler."""
+        if state.step_index in state.extra.get("preview_steps", ()):
+            state.extra["preview"] = self.estimate(state, model_output)
         kwargs = {"generator": state.generator} if _step_takes_generator(state.scheduler) else {}
         state.latents = state.scheduler.step(model_output, state.timestep, state.latents, return_dict=False, **kwargs)[
             0
         ]
         state.step_index += 1
+
+    def estimate(self, state: DenoiseState, model_output: torch.Tensor) -> torch.Tensor:
+        """The clean latents the sampler expects, before this step (for previews)."""
+        raise NotImplementedError
+
+    def decode_preview(self, latents: torch.Tensor) -> torch.Tensor:
+        """`estimate`'s latents as uint8 pixels [n, H, W, 3]."""
+        raise NotImplementedError
 
     # -- helpers for subclasses -----------------------------------------------------------
     def new_scheduler(self, num_inference_steps: int, **set_timesteps_kwargs: Any):

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from omnistage.errors import InvalidRequestError
 from omnistage.stages.diffusion.adapters.base import (
     DenoiserAdapter,
     DenoiseState,
@@ -20,6 +21,13 @@ from omnistage.stages.diffusion.adapters.base import (
     TextConditioning,
     TextEncoderAdapter,
     VaeAdapter,
+)
+from omnistage.stages.diffusion.img2img import (
+    DEFAULT_STRENGTH,
+    decode_pixels,
+    flow_estimate,
+    noised_image_latents,
+    preview_steps,
 )
 from omnistage.stages.diffusion.limits import GenerationDefaults, ModelLimits, SizeRange
 
@@ -142,7 +150,11 @@ def repeat_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 class SD3Denoiser(DenoiserAdapter):
     family = "sd3"
-    component_names = ("transformer", "scheduler")
+    # the VAE encodes img2img init images and decodes previews (absent: both refused)
+    component_names = ("transformer", "scheduler", "vae")
+    optional_components = ("vae",)
+    image_input = True
+    previews = True
 
     def __init__(self, components, device, dtype):
         super().__init__(components, device, dtype)
@@ -162,7 +174,7 @@ class SD3Denoiser(DenoiserAdapter):
             return cond
         return torch.cat([repeat_rows(t[1:2], n), cond])
 
-    def prepare(self, request_id, params, text) -> DenoiseState:
+    def prepare(self, request_id, params, text, image=None) -> DenoiseState:
         settings = self.limits.resolve(params)
         h, w = settings.height, settings.width
         steps = settings.num_inference_steps
@@ -175,7 +187,6 @@ class SD3Denoiser(DenoiserAdapter):
         n = params.num_images_per_prompt
         generator = self.make_generator(params)
         lh, lw = h // self.vae_scale_factor, w // self.vae_scale_factor
-        latents = self.draw_latents((n, self.in_channels, lh, lw), generator)
         kwargs: dict[str, Any] = {}
         sconf = self.scheduler_template.config
         if sconf.get("use_dynamic_shifting", False):
@@ -190,6 +201,12 @@ class SD3Denoiser(DenoiserAdapter):
                 sconf.get("max_shift", 1.16),
             )
         scheduler = self.new_scheduler(steps, **kwargs)
+        if image is None:
+            latents, timesteps = self.draw_latents((n, self.in_channels, lh, lw), generator), scheduler.timesteps
+        else:
+            strength = DEFAULT_STRENGTH if params.strength is None else params.strength
+            vae = self.require_vae("image")
+            latents, timesteps = noised_image_latents(vae, scheduler, image, (h, w), strength, n, generator, self.dtype)
         ehs = self.cfg_rows(text, n, do_cfg, "embeds")
         pooled = self.cfg_rows(text, n, do_cfg, "pooled")
         return DenoiseState(
@@ -197,7 +214,7 @@ class SD3Denoiser(DenoiserAdapter):
             params=params,
             latents=latents,
             scheduler=scheduler,
-            timesteps=scheduler.timesteps,
+            timesteps=timesteps,
             generator=generator,
             bucket=("sd3", tuple(latents.shape[1:]), tuple(ehs.shape[1:]), tuple(pooled.shape[1:])),
             rows=n * (2 if do_cfg else 1),
@@ -205,8 +222,26 @@ class SD3Denoiser(DenoiserAdapter):
             row_inputs={"encoder_hidden_states": ehs, "pooled_projections": pooled},
             guidance=guidance,
             do_cfg=do_cfg,
-            extra={"height": h, "width": w},
+            extra={"height": h, "width": w, "preview_steps": self.preview_plan(params, len(timesteps))},
         )
+
+    def require_vae(self, param: str):
+        vae = self.components.get("vae")
+        if vae is None:
+            raise InvalidRequestError(f"{param}: this denoiser was loaded without its VAE", param=param)
+        return vae
+
+    def preview_plan(self, params, total_steps: int) -> frozenset[int]:
+        if not params.partial_images:
+            return frozenset()
+        self.require_vae("partial_images")
+        return preview_steps(total_steps, params.partial_images)
+
+    def estimate(self, state: DenoiseState, model_output: torch.Tensor) -> torch.Tensor:
+        return flow_estimate(state, model_output)
+
+    def decode_preview(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_pixels(self.components["vae"], latents)
 
     def model_forward(self, states: list[DenoiseState]) -> torch.Tensor:
         hidden = torch.cat([torch.cat([s.latents] * 2) if s.do_cfg else s.latents for s in states])
