@@ -4,7 +4,7 @@ how each family's request maps onto the pipeline's ports and its stages' per-req
     serves:
       chat: {messages: messages, text: text, info: info, params: [llm]}
       completions: {prompt: prompt, text: text, info: info, params: [llm]}
-      images: {prompt: prompt, image: image, params: [text_encoder, denoiser, vae]}
+      images: {prompt: prompt, image: image, image_in: init_image, params: [text_encoder, denoiser, vae]}
 
 Each family has fixed roles (FAMILIES below); a role names a pipeline input or output port of
 the right type. `params` lists the stages that receive the API's sampling/generation fields:
@@ -72,6 +72,8 @@ FAMILIES: dict[str, Family] = {
             {
                 "prompt": Role("inputs", ("text",), doc="input port taking the prompt text"),
                 "image": Role("outputs", ("image",), doc="output port with the images [n, H, W, 3]"),
+                "image_in": Role("inputs", ("image",), False, "input port taking /v1/images/edits' image"),
+                "preview": Role("outputs", ("image",), False, "output port streaming partial images"),
             },
             ("text",),
             ("image",),
@@ -110,6 +112,8 @@ class ServeSpec:
         if self.family == "chat":
             given += [m for role, m in (("audio_in", "audio"), ("images_in", "image")) if role in self.ports]
             out += ["audio"] if "audio" in self.ports else []
+        if self.family == "images" and "image_in" in self.ports:
+            given.append("image")
         return {"input": given, "output": out}
 
 

@@ -1,4 +1,4 @@
-"""One live `omnistage serve tiny-llm tiny-image` for the OpenAI-route tests, the official
+"""One live `omnistage serve tiny-llm tiny-image tiny-image-previews` for the OpenAI-route tests, the official
 `openai` client pointed at it, and the same pipelines through the Python API as the judge."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def live_server(tmp_path_factory, args: list[str], env: dict[str, str] | None = 
 
 @pytest.fixture(scope="session")
 def api_server(tmp_path_factory):
-    with live_server(tmp_path_factory, ["tiny-llm", "tiny-image"]) as server:
+    with live_server(tmp_path_factory, ["tiny-llm", "tiny-image", "tiny-image-previews"]) as server:
         yield server
 
 

@@ -68,7 +68,6 @@ def test_jpeg_and_webp_decode_at_the_size(client, fmt):
     [
         ({"size": "64by64"}, "size"),
         ({"size": "100000x64"}, "size"),
-        ({"response_format": "url"}, "response_format"),
         ({"background": "transparent"}, "background"),
         ({"n": 11}, "n"),
     ],

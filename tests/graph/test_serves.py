@@ -27,7 +27,7 @@ def test_shipped_pipelines_declare_their_families():
     assert llm.serves["chat"].params == ["llm"]
     assert set(image.serves) == {"images"}
     assert image.serves["images"].params == ["text_encoder", "denoiser", "vae"]
-    assert image.serves["images"].modalities == {"input": ["text"], "output": ["image"]}
+    assert image.serves["images"].modalities == {"input": ["text", "image"], "output": ["image"]}
 
 
 @pytest.mark.parametrize(

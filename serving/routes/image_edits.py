@@ -1,0 +1,109 @@
+"""POST /v1/images/edits (multipart) on pipelines whose `serves: images` names an `image_in`
+port: image-to-image through the same pipeline as /v1/images/generations.
+
+The uploaded image (png, jpeg or webp) is decoded to pixels and sent to the `image_in` port;
+the denoiser encodes it with the VAE, noises it to `strength` (extra field, diffusers' name,
+default 0.6) and denoises from there (stages/diffusion/img2img.py). `size` defaults to the
+image's own size. The answer is the generations route's (b64_json or url, or SSE events
+named image_edit.* with stream: true). Not served (400 naming the field): a mask (that is
+inpainting), several input images.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Form, Request, UploadFile
+from pydantic import BaseModel, ConfigDict, Field
+
+from omnistage.serving.routes.images import (
+    MAX_IMAGES,
+    MAX_PARTIAL_IMAGES,
+    ImageJob,
+    ImagesResponse,
+    OutputFormat,
+    generation_fields,
+    images_response,
+    refuse_unservable,
+    run_images,
+)
+from omnistage.serving.routes.served import UnsupportedError, invalid, served_pipeline
+
+router = APIRouter(tags=["openai"])
+
+
+class ImageEditRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    model: str
+    prompt: str = Field(min_length=1)
+    image: UploadFile | list[UploadFile] | None = None
+    images: list[UploadFile] | None = Field(default=None, alias="image[]", description="the openai client's list form")
+    mask: UploadFile | None = None
+    n: int = Field(default=1, ge=1, le=MAX_IMAGES)
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, or auto (the input image's size)")
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    output_format: OutputFormat = "png"
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    quality: Literal["auto", "standard", "low", "medium", "high"] | None = None
+    input_fidelity: Literal["high", "low"] | None = None
+    stream: bool = False
+    partial_images: int | None = Field(default=None, ge=0, le=MAX_PARTIAL_IMAGES)
+    user: str | None = None
+    safety_identifier: str | None = None
+    # extras (diffusers' names)
+    strength: float | None = Field(default=None, ge=0, le=1, description="how far the image is noised (0-1)")
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float | None = Field(default=None, ge=0)
+    seed: int | None = None
+
+    def uploads(self) -> list[UploadFile]:
+        given = self.image if isinstance(self.image, list) else [self.image] if self.image is not None else []
+        return given + list(self.images or [])
+
+
+async def _pixels(upload: UploadFile) -> np.ndarray:
+    from PIL import Image
+
+    raw = await upload.read()
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            return np.asarray(img.convert("RGB"))
+    except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
+        raise invalid(f"image is not a decodable image: {exc}", "image", code="invalid_image") from exc
+
+
+@router.post(
+    "/v1/images/edits",
+    response_model=ImagesResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def edit_images(body: Annotated[ImageEditRequest, Form()], request: Request):
+    served = served_pipeline(request, body.model, "images")
+    if served.port("image_in") is None:
+        raise UnsupportedError(f"the model {served.name!r} takes no input image (no image_in port)", "model")
+    uploads = body.uploads()
+    if not uploads:
+        raise invalid("image is required (a png, jpeg or webp file)", "image", code="missing_required_parameter")
+    if len(uploads) > 1:
+        raise UnsupportedError("one input image per edit", "image")
+    if body.mask is not None:
+        raise UnsupportedError("masks (inpainting) are not supported; the whole image is edited", "mask")
+    refuse_unservable(served, body)
+    pixels = await _pixels(uploads[0])
+    size = {} if body.size not in (None, "auto") else {"width": pixels.shape[1], "height": pixels.shape[0]}
+    params = served.stage_params(generation_fields(body, strength=body.strength, **size))
+    inputs = {served.port("prompt"): body.prompt, served.port("image_in"): torch.from_numpy(pixels.copy())}
+    job = ImageJob(
+        served, inputs, params, body.output_format, body.output_compression, body.response_format, body.quality
+    )
+    if body.stream:
+        from omnistage.serving.routes.image_stream import stream_images
+
+        return await stream_images(request, job, "image_edit")
+    return images_response(request, job, await run_images(request, job))
