@@ -1,4 +1,5 @@
-"""`omnistage bench runtime [--quick] [--runs N] [--json FILE]`: the embedded runtime's costs.
+"""`omnistage bench runtime [--quick] [--runs N] [--json FILE]`: the embedded runtime's costs
+(`--backend ray`: the Ray Serve backend against it, see bench/ray_runtime.py).
 
 Measured through the runtime's real worker loop (Pipeline -> orchestrator -> worker processes):
 - hop_us_p50 / hop_us_p99: one-way latency of an empty message from the emitting stage's
@@ -300,14 +301,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", help="write the results to this file")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the hop latency histogram into this PNG")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--backend",
+        choices=["embedded", "ray"],
+        default="embedded",
+        help="ray: Ray Serve vs embedded (bench/ray_runtime.py)",
+    )
     args = ap.parse_args(argv)
-    result = run_bench(quick=args.quick, runs=max(1, args.runs), progress=not args.no_progress)
+    if args.backend == "ray":
+        from omnistage.bench.ray_runtime import run_bench as run_ray_bench
+
+        result = run_ray_bench(quick=args.quick, runs=max(1, args.runs), progress=not args.no_progress)
+    else:
+        result = run_bench(quick=args.quick, runs=max(1, args.runs), progress=not args.no_progress)
     result["command"] = "omnistage bench runtime " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json_path, "w") as f:
             f.write(json.dumps(result, indent=2) + "\n")
-    if args.plot:
+    if args.plot and args.backend == "embedded":
         from omnistage.bench.plot import plot_runtime
 
         plot_runtime(result, args.plot)
