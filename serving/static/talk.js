@@ -15,6 +15,7 @@ export const talkState = {
   framesSent: 0,
   bytesSent: 0,
   captureStartedAt: null, // AudioContext time of the first frame sent
+  capturedUntil: null, // AudioContext time of the latest frame sent
   events: {}, // server event type -> count
   audioDeltas: 0,
   audioBytesReceived: 0,
@@ -24,7 +25,8 @@ export const talkState = {
   speechStarted: 0,
   truncatesSent: 0,
   responsesDone: 0,
-  transcript: "", // the assistant's spoken words, every turn
+  transcript: "", // the assistant's spoken words, every turn, from the deltas
+  transcriptsDone: [], // each answer's whole transcript, as the server's *.done event states it
   errors: [],
 };
 
@@ -174,6 +176,7 @@ class TalkSession {
   sendFrame(bytes) {
     if (!this.socket || this.socket.readyState !== WebSocket.OPEN) return;
     if (talkState.captureStartedAt === null) talkState.captureStartedAt = this.context.currentTime;
+    talkState.capturedUntil = this.context.currentTime;
     let sum = 0;
     const samples = new Int16Array(bytes.buffer);
     for (const s of samples) sum += s * s;
@@ -218,6 +221,14 @@ class TalkSession {
         if (event.response_id === this.dropResponse) break;
         talkState.transcript += event.delta;
         this.turn(event.item_id, "assistant", "").textContent += event.delta;
+        break;
+      case "response.output_audio_transcript.done":
+      case "response.audio_transcript.done":
+        if (event.response_id !== this.dropResponse) talkState.transcriptsDone.push(event.transcript);
+        break;
+      case "response.output_text.done":
+      case "response.text.done":
+        if (event.response_id !== this.dropResponse) talkState.transcriptsDone.push(event.text);
         break;
       case "response.done":
         talkState.responsesDone++;
