@@ -49,6 +49,9 @@ FAMILIES: dict[str, Family] = {
                 "text": Role("outputs", ("text",), doc="output port with the reply text (streamed)"),
                 "info": Role("outputs", ("json",), False, "output port with finish reason, usage, logprobs"),
                 "audio": Role("outputs", ("audio",), False, "output port with the spoken reply"),
+                "speech_info": Role(
+                    "outputs", ("json",), False, "output port with the speech stages' usage (codec_tokens)"
+                ),
                 "audio_in": Role("inputs", ("audio",), False, "input port taking the messages' input_audio parts"),
                 "images_in": Role("inputs", ("image",), False, "input port taking the messages' image_url parts"),
             },

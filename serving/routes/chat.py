@@ -94,16 +94,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             "created": now(),
             "model": served.name,
             "choices": choices,
-            "usage": usage(info),
+            "usage": usage(info, _speech_info(served, outputs) if spoken else None),
             "system_fingerprint": None,
         }
     )
+
+
+def _speech_info(served: Served, outputs: dict[str, Any]) -> dict[str, Any] | None:
+    port = served.port("speech_info")
+    return (outputs.get(port) or {}) if port is not None else None
 
 
 async def _stream(request, served: Served, body, inputs, params, request_id, tokenizer, spoken) -> StreamingResponse:
     stream = served.pipeline.stream(inputs, params, request_id=request_id)
     first = await first_then_rest(request, stream)
     created, text_port, info_port, audio_port = now(), served.port("text"), served.port("info"), served.port("audio")
+    speech_info_port = served.port("speech_info") if spoken else None
     audio_id = new_id("audio")
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -119,6 +125,7 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
     async def events():
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])
         info = None
+        speech_info = {} if speech_info_port is not None else None
         async for item in first:
             if item.port == text_port and item.data:
                 delta = {"audio": {"id": audio_id, "transcript": item.data}} if spoken else {"content": item.data}
@@ -128,6 +135,8 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
                 yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
             elif item.port == info_port and item.data is not None:
                 info = item.data
+            elif item.port == speech_info_port and item.data is not None:
+                speech_info = item.data
         for c in choices_of("", info, body.n):
             rest = c["text"] if c["index"] > 0 and c.get("text") else None
             logprobs = chat_logprobs(tokenizer, c.get("logprobs") or []) if tokenizer is not None else None
@@ -135,6 +144,6 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
             reason = finish_reason(c["finish_reason"])
             yield chunk([{"index": c["index"], "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
         if body.include_usage:
-            yield chunk([], usage=usage(info))
+            yield chunk([], usage=usage(info, speech_info))
 
     return sse_stream(events(), stream)

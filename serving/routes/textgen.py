@@ -128,16 +128,21 @@ def completion_logprobs(tokenizer: Any, entries: list[dict[str, Any]], offset: i
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def usage(info: dict[str, Any] | None) -> dict[str, Any]:
+def usage(info: dict[str, Any] | None, speech_info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's usage from the text stage's info; a spoken reply (`speech_info`, the speech
+    stages' info) adds its codec tokens to the completion, as audio_tokens. The prompt's
+    audio_tokens are the audio-encoder positions the text stage counted in its prompt."""
     raw = (info or {}).get("usage") or {}
     prompt, completion = int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0))
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-    if raw.get("cached_tokens") is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": int(raw["cached_tokens"])}
+    details = {k: int(raw[k]) for k in ("cached_tokens", "audio_tokens") if raw.get(k) is not None}
+    out: dict[str, Any] = {}
+    if speech_info is not None:
+        audio = int(((speech_info or {}).get("usage") or {}).get("codec_tokens", 0))
+        completion += audio
+        out["completion_tokens_details"] = {"audio_tokens": audio}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, **out}
+    if details:
+        out["prompt_tokens_details"] = details
     return out
 
 

@@ -160,6 +160,7 @@ class ThinkerStage(ARLMStage):
         self._speech = False
         self._forcing: ForcedReply | None = None  # the speak request being admitted
         self._forced: dict[str, ForcedReply] = {}
+        self._audio_positions: dict[str, int] = {}  # per request: audio-encoder rows in its prompt
 
     # -- admission -------------------------------------------------------------------------
     def _admit(self, request) -> None:
@@ -182,6 +183,8 @@ class ThinkerStage(ARLMStage):
         num_prompt = forced.num_prompt if forced is not None else len(prompt.token_ids)
         if forced is not None:
             self._forced[request.request_id] = forced
+        audio_id = self.processor.audio_token_id
+        self._audio_positions[request.request_id] = sum(t == audio_id for t in prompt.token_ids[:num_prompt])
         if wants_rows:
             positions = prompt.positions[:, :num_prompt] if prompt.positions is not None else None
             feed = _TalkerFeed(num_prompt, prompt.media_mask, positions)
@@ -265,6 +268,7 @@ class ThinkerStage(ARLMStage):
     def abort(self, request_id: str) -> None:
         self._feeds.pop(request_id, None)
         self._forced.pop(request_id, None)
+        self._audio_positions.pop(request_id, None)
         super().abort(request_id)
 
     # -- output ----------------------------------------------------------------------------
@@ -280,6 +284,9 @@ class ThinkerStage(ARLMStage):
                 emission.outputs["talker_embeds"] = chunk
         if live.request_id in self._forced:
             self._report_forced(live.request_id, emission)
+        if emission.finished and "info" in emission.outputs:  # usage.audio_tokens: OpenAI's prompt audio
+            audio = self._audio_positions.pop(live.request_id, 0)
+            emission.outputs["info"].setdefault("usage", {})["audio_tokens"] = audio
         if emission.finished and self._feeds.pop(live.request_id, None) is None:
             emission.absent_ports = ("talker_embeds",)  # a text answer: talker and token2wav never see it
         if not emission.outputs and not emission.finished:

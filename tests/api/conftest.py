@@ -60,3 +60,17 @@ def tiny_llm_dir():
     from omnistage.models.recipes import build_recipe
 
     return build_recipe("tiny-llm")
+
+
+@pytest.fixture(scope="session")
+def omni_server(tmp_path_factory):
+    """`omnistage serve tiny-omni` (chat with audio, speech)."""
+    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def omni(omni_server):
+    import openai
+
+    return openai.OpenAI(base_url=omni_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

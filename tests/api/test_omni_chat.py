@@ -11,8 +11,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-
-from omnistage.tests.api.conftest import live_server
+import torch
 
 SR_OUT = 24_000
 
@@ -36,17 +35,6 @@ MESSAGES = [
     }
 ]
 SAMPLING = dict(temperature=0, max_tokens=8, seed=0)
-
-
-@pytest.fixture(scope="module")
-def omni_server(tmp_path_factory):
-    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def omni(omni_server):
-    return openai.OpenAI(base_url=omni_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +70,32 @@ def test_spoken_reply_equals_the_python_api(omni, python_reply):
     snr_db = 10 * np.log10(np.sum(ours**2) / np.sum((samples - ours) ** 2))
     assert snr_db > 30, snr_db
     print(f"spoken reply vs Python API: {snr_db:.1f} dB SNR")
+    _check_audio_usage(reply.usage, python_reply)
+
+
+def _audio_positions() -> int:
+    """<|AUDIO|> positions of the message's clip, by transformers' own feature extractor and
+    Qwen2.5-Omni audio encoder length formula."""
+    from transformers import WhisperFeatureExtractor
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+
+    from omnistage.models.recipes import build_recipe
+
+    clip, rate = soundfile.read(io.BytesIO(base64.b64decode(WAV)), dtype="float32")
+    extractor = WhisperFeatureExtractor.from_pretrained(build_recipe("qwen2_5_omni"))
+    frames = extractor(clip, sampling_rate=rate, return_attention_mask=True)["attention_mask"].sum()
+    return int(Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(None, torch.tensor(frames))[1])
+
+
+def _check_audio_usage(usage, python_reply) -> None:
+    """Prompt audio tokens are the clip's encoder positions; completion audio tokens are the
+    talker's codec tokens, counted into completion_tokens as OpenAI counts spoken output."""
+    codes = len(list(python_reply["codes"]))
+    assert codes > 0
+    assert usage.prompt_tokens_details.audio_tokens == _audio_positions() > 0
+    assert usage.completion_tokens_details.audio_tokens == codes
+    assert usage.completion_tokens == python_reply["info"]["usage"]["completion_tokens"] + codes
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
 def test_streamed_spoken_reply_carries_pcm_and_transcript(omni, python_reply):
@@ -92,6 +106,7 @@ def test_streamed_spoken_reply_carries_pcm_and_transcript(omni, python_reply):
             modalities=["text", "audio"],
             audio={"voice": "Ethan", "format": "pcm16"},
             stream=True,
+            stream_options={"include_usage": True},
             **SAMPLING,
         )
     )
@@ -108,12 +123,15 @@ def test_streamed_spoken_reply_carries_pcm_and_transcript(omni, python_reply):
     ours = np.asarray(python_reply["audio"], dtype=np.float32).reshape(-1)
     assert samples.shape == ours.shape
     assert audio_chunks >= 2, audio_chunks  # streamed in pieces, not one clip at the end
+    _check_audio_usage(chunks[-1].usage, python_reply)
 
 
 def test_text_only_reply_on_the_omni_pipeline(omni):
     reply = omni.chat.completions.create(model="tiny-omni", messages=MESSAGES, **SAMPLING)
     assert reply.choices[0].message.audio is None
     assert isinstance(reply.choices[0].message.content, str)
+    assert reply.usage.completion_tokens_details is None  # nothing spoken
+    assert reply.usage.prompt_tokens_details.audio_tokens == _audio_positions()
     with pytest.raises(openai.BadRequestError) as info:
         omni.chat.completions.create(model="tiny-omni", messages=MESSAGES, modalities=["text", "audio"], **SAMPLING)
     assert info.value.body["param"] == "audio"
