@@ -5,7 +5,9 @@ Keys come from `omnistage serve --api-key KEY` (repeatable) and the OMNISTAGE_AP
 environment variable (comma-separated). With no keys the server is open, as before. A missing
 or unknown key is answered 401 `invalid_api_key` (OpenAI's shape); a key already running
 `max_concurrent` requests gets 429 `concurrency_limit_exceeded` with `Retry-After`. A streamed
-response counts until its last byte is sent.
+response counts until its last byte is sent, a websocket until it closes. A websocket may
+also carry the key as `?api_key=KEY` or the `openai-insecure-api-key.KEY` subprotocol (what
+browsers can send).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ KEYS_ENV = "OMNISTAGE_API_KEYS"
 OPEN_PATHS = ("/health", "/ready", "/")  # probes carry no credentials; "/" is the demo page
 OPEN_PREFIXES = ("/static/",)  # the demo page's files (no data; the page sends the key itself)
 RETRY_AFTER_S = 1
+WS_KEY_PROTOCOL = "openai-insecure-api-key."
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class ApiKeyGuard:
         auth = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
         scheme, _, token = auth.partition(" ")
         key = self.policy.match(token.strip()) if scheme.lower() == "bearer" else None
+        if key is None and kind == "websocket":  # browsers cannot set headers on a websocket
+            auth = auth or _websocket_key(scope)
+            key = self.policy.match(_websocket_key(scope))
         if key is None:
             message = (
                 "Missing API key: send Authorization: Bearer YOUR_KEY."
@@ -78,11 +84,26 @@ class ApiKeyGuard:
             message = f"This API key already has {limit} requests in flight (the per-key limit); retry later."
             headers = {"retry-after": str(RETRY_AFTER_S)}
             return await _reject(kind, send, 429, "concurrency_limit_exceeded", message, headers)
+        scope.setdefault("state", {})["api_key"] = key  # per-key limits further in (realtime sessions)
         self.in_flight[key] += 1
         try:
             return await self.app(scope, receive, send)
         finally:
             self.in_flight[key] -= 1
+
+
+def _websocket_key(scope) -> str:
+    """The key a browser's websocket carries: `?api_key=` or the `openai-insecure-api-key.KEY` subprotocol."""
+    from urllib.parse import parse_qs
+
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+    if query:
+        return query[0]
+    offered = dict(scope.get("headers") or ()).get(b"sec-websocket-protocol", b"").decode("latin-1")
+    for proto in offered.split(","):
+        if proto.strip().startswith(WS_KEY_PROTOCOL):
+            return proto.strip()[len(WS_KEY_PROTOCOL) :]
+    return ""
 
 
 async def _reject(kind: str, send, status: int, code: str, message: str, headers: dict[str, str]) -> None:
