@@ -54,8 +54,10 @@ from omnistage.runtime.shm import (
     SegmentReader,
     cleanup_prefix,
     encode,
+    reap_orphan_segments,
     release_all,
 )
+from omnistage.runtime.watchdog import check_steps, finish_drains, start_drain
 from omnistage.runtime.watchdog import check_steps, finish_drains, start_drain
 
 log = logging.getLogger("omnistage.runtime")
@@ -106,6 +108,9 @@ class Orchestrator:
             if self.started:
                 return
             self.started = True
+        reaped = reap_orphan_segments()
+        if reaped:
+            log.info("omnistage: removed %d shared-memory files of exited pipelines", len(reaped))
         self._permits.open(self._workers.open())
         for r in self._all_replicas:
             self._spawn(r)
@@ -302,6 +307,9 @@ class Orchestrator:
                 if not self._stopping:
                     check_steps(self._all_replicas, self.spec)
                     finish_drains(self._all_replicas)
+                if not self._stopping:
+                    check_steps(self._all_replicas, self.spec)
+                    finish_drains(self._all_replicas)
 
     def _read_messages(self, r: Replica) -> bool:
         """Handle what a worker's pipe holds; False once the pipe is closed."""
@@ -338,6 +346,8 @@ class Orchestrator:
                 self._router.on_emit(r, emit)
         elif isinstance(msg, PermitsTaken):
             self._router.on_permits_taken(r, msg)
+        elif isinstance(msg, OverMemory):
+            start_drain(r, msg.rss)
         elif isinstance(msg, OverMemory):
             start_drain(r, msg.rss)
         elif isinstance(msg, StatsReply):
@@ -382,6 +392,7 @@ class Orchestrator:
                         "replica": r.index,
                         "ready": r.ready,
                         "restarts": r.restarts,
+                        "recycles": r.recycles,
                         "recycles": r.recycles,
                         "held_requests": len(r.requests),
                         **{k: v for k, v in r.last_stats.items() if k != "seq"},

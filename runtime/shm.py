@@ -350,3 +350,49 @@ def cleanup_prefix(prefix: str) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid of the process that created a pipeline, from one of its segment names
+    (`omnistage-<pid>-<id>-...`); None for a name of another scheme."""
+    parts = name.split("-")
+    if len(parts) < 3 or parts[0] != "omnistage" or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie waiting for its parent's wait() counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
+def reap_orphan_segments() -> list[str]:
+    """Unlink this user's segment files whose pipeline owner has exited: what a group killed
+    at once (SIGKILL, an OOM kill of the parent) left behind. A pid reused by a live process
+    keeps its files (never a live pipeline's); another user's files are left alone."""
+    reaped = []
+    uid = os.getuid()
+    gone: dict[int, bool] = {}
+    for name in os.listdir(SHM_DIR):
+        pid = owner_pid(name)
+        if pid is None:
+            continue
+        if pid not in gone:
+            gone[pid] = process_gone(pid)
+        if not gone[pid]:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if os.stat(path).st_uid == uid:
+                os.unlink(path)
+                reaped.append(name)
+        except FileNotFoundError:
+            pass
+    return reaped

@@ -48,7 +48,17 @@ from omnistage.runtime.messages import (
     recv_msg,
     send_msg,
 )
-from omnistage.runtime.shm import SegmentPool, SegmentReader, decode, encode, worker_pool_prefix
+from omnistage.runtime.shm import (
+    SegmentPool,
+    SegmentReader,
+    cleanup_prefix,
+    decode,
+    encode,
+    owner_pid,
+    process_gone,
+    worker_pool_prefix,
+)
+from omnistage.runtime.watchdog import MemoryWatch
 from omnistage.runtime.watchdog import MemoryWatch
 from omnistage.stages.base import Emission, StageContext, StageEngine
 from omnistage.stages.contracts import error_emission
@@ -164,6 +174,7 @@ class Worker:
         self.engine_stats_at = 0.0
         self.stats_dirty = True
         self.memory = MemoryWatch(self.spec.stages[cfg.stage].pool.max_rss_bytes)
+        self.memory = MemoryWatch(self.spec.stages[cfg.stage].pool.max_rss_bytes)
 
     # -- transport -------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -227,6 +238,14 @@ class Worker:
         gc.freeze()
         self._publish_engine_stats()
         self.send(Ready(os.getpid()))
+        try:
+            self._loop()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the orchestrator is gone: clean up below, quietly
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
         engine = self.engine
         while self.running:
             if engine.has_work():
@@ -245,7 +264,7 @@ class Worker:
             if self.running and engine.has_work():
                 self._step()
             self.memory.check(self.send)
-        self._shutdown()
+            self.memory.check(self.send)
 
     def _drain(self, timeout: float | None) -> None:
         try:
@@ -428,6 +447,11 @@ class Worker:
             # unlinking is safe even while readers still map them, and covers a parent that
             # died without cleaning up
             self.pool.close(unlink=True)
+            owner = owner_pid(self.cfg.shm_prefix)
+            if owner is not None and process_gone(owner):
+                # killed without its close() (SIGTERM's default action, SIGKILL): its own
+                # segments (the callers' inputs) would outlive it, so the workers remove them
+                cleanup_prefix(self.cfg.shm_prefix)
 
 
 def worker_main(cfg: WorkerConfig, conn) -> None:
