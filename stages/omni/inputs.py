@@ -17,6 +17,7 @@ mixed to mono and resampled to the feature extractor's rate with torchaudio.
 from __future__ import annotations
 
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,9 @@ class OmniProcessor:
         self.audio_token_id = tok.convert_tokens_to_ids(tok.audio_token)
         self.image_token = tok.image_token
         self.image_token_id = tok.convert_tokens_to_ids(tok.image_token)
+        self.video_token = tok.video_token
+        self.video_token_id = tok.convert_tokens_to_ids(tok.video_token)
+        self.audio_bos_token, self.audio_eos_token = tok.audio_bos_token, tok.audio_eos_token
 
     # -- audio -------------------------------------------------------------------------------
     def audio_features(self, audio: Any) -> AudioFeatures:
@@ -174,6 +178,23 @@ class OmniProcessor:
         text = _expand(text, self.audio_token, audio_tokens, "audio")
         text = _expand(text, self.image_token, image_tokens, "images")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def placeholders(self, text: str) -> list[str]:
+        """The kinds of the prompt's media placeholders in order: "audio", "image", "video"."""
+        kinds = {self.audio_token: "audio", self.image_token: "image", self.video_token: "video"}
+        return [kinds[m] for m in re.findall("|".join(re.escape(t) for t in kinds), text)]
+
+    def expand_in_order(self, text: str, replacements: list[str]) -> list[int]:
+        """Token ids of `text` with its i-th media placeholder replaced by replacements[i]."""
+        pattern = "|".join(re.escape(t) for t in (self.audio_token, self.image_token, self.video_token))
+        pieces = re.split(pattern, text)
+        expanded = pieces[0] + "".join(r + piece for r, piece in zip(replacements, pieces[1:]))
+        return self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+
+    def video_with_audio(self, parts: list[tuple[str, int]]) -> str:
+        """A video's placeholder text with its audio interleaved (parts: (kind, rows) in order)."""
+        rows = "".join((self.video_token if kind == "video" else self.audio_token) * n for kind, n in parts)
+        return self.audio_bos_token + rows + self.audio_eos_token
 
 
 def _expand(text: str, placeholder: str, counts: list[int], what: str) -> str:

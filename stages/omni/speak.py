@@ -19,7 +19,7 @@ import torch
 from omnistage.errors import InvalidRequestError
 
 # what a speak request keeps of its thinker params; sampling does not apply
-KEPT_PARAMS = ("cache_salt", "priority", "return_audio", "modalities")
+KEPT_PARAMS = ("cache_salt", "priority", "return_audio", "modalities", "use_audio_in_video")
 
 
 @dataclass

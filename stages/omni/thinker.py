@@ -28,13 +28,11 @@ cached block (stages/omni/talker_rows.py).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from omnistage.errors import InvalidRequestError
 from omnistage.stages.ar.sequence import SequenceOptions
 from omnistage.stages.ar.stage import REQUEST_PARAMS as AR_REQUEST_PARAMS
 from omnistage.stages.ar.stage import STAGE_PARAMS as AR_STAGE_PARAMS
@@ -42,7 +40,7 @@ from omnistage.stages.ar.stage import ARLMStage
 from omnistage.stages.base import Emission, Port, StageContext
 from omnistage.stages.omni.checkpoint import read_config
 from omnistage.stages.omni.inputs import OmniProcessor
-from omnistage.stages.omni.positions import mrope_positions
+from omnistage.stages.omni.prompt import MediaInputs, OmniPrompt, PromptBuilder
 from omnistage.stages.omni.speak import (
     ForcedReply,
     append_embeds,
@@ -78,33 +76,22 @@ REQUEST_PARAMS = AR_REQUEST_PARAMS.extended(
                 None if set(v) <= {"text", "audio"} and "text" in v else 'must be ["text"] or ["text", "audio"]'
             ),
         ),
+        Param(
+            "use_audio_in_video",
+            "boolean",
+            False,
+            "Each video's sound is the next audio input, interleaved with its frames in 2 s chunks.",
+        ),
     ),
 )
+OWN_PARAMS = ("return_audio", "modalities", "use_audio_in_video")
 _LAST_LAYER = -1
-
-
-def content_key(rows: torch.Tensor, grid: Any = None) -> int:
-    """A negative 64-bit key for one multimodal item (negative: never a token id)."""
-    h = hashlib.blake2b(rows.detach().contiguous().cpu().numpy().tobytes(), digest_size=8)
-    if grid is not None:
-        h.update(repr([int(x) for x in grid]).encode())
-    digest = h.digest()
-    return -1 - (int.from_bytes(digest, "little") >> 1)
 
 
 def _as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-@dataclass
-class OmniPrompt:
-    token_ids: list[int]
-    embeds: torch.Tensor | None  # None: text only (plain token prompt)
-    media_mask: torch.Tensor | None  # [T] bool: rows that came from an encoder
-    cache_keys: list[int] | None
-    positions: torch.Tensor | None = None  # (3, T) M-RoPE positions; None: 1-D (no image)
 
 
 @dataclass
@@ -126,6 +113,7 @@ class ThinkerStage(ARLMStage):
         "speak": Port("text", optional=True),
         "audio_embeds": Port("embeddings", optional=True),
         "image_embeds": Port("embeddings", optional=True),
+        "video_embeds": Port("embeddings", optional=True),
     }
     outputs = {
         "text": Port("text", streaming=True),
@@ -150,14 +138,14 @@ class ThinkerStage(ARLMStage):
         super().__init__(dataclasses.replace(ctx, params=params))
         self.processor = OmniProcessor(ctx.model_path)
         thinker_cfg = read_config(ctx.model_path)["thinker_config"]
-        self.spatial_merge = int(thinker_cfg.get("vision_config", {}).get("spatial_merge_size", 2))
-        self.position_id_per_seconds = float(thinker_cfg.get("position_id_per_seconds", 25))
+        self.prompts = PromptBuilder(self.processor, self.engine.model.embed_tokens, thinker_cfg)
         self._feeds: dict[str, _TalkerFeed] = {}
         self._block_size = params["block_size"]
         caching = params["enable_prefix_caching"]
         self._talker_rows = TalkerRowStore(self.engine.num_total_blocks) if caching else None
         self._admitting: OmniPrompt | None = None
         self._speech = False
+        self._audio_in_video = False
         self._forcing: ForcedReply | None = None  # the speak request being admitted
         self._forced: dict[str, ForcedReply] = {}
         self._audio_positions: dict[str, int] = {}  # per request: audio-encoder rows in its prompt
@@ -171,12 +159,13 @@ class ThinkerStage(ARLMStage):
             text = speak_text(speak)
             params = speak_params(params)
             self._forcing = ForcedReply(text, self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
-        own = REQUEST_PARAMS.validate({k: params.pop(k) for k in ("return_audio", "modalities") if k in params})
+        own = REQUEST_PARAMS.validate({k: params.pop(k) for k in OWN_PARAMS if k in params})
         speech = own["return_audio"] if own["modalities"] is None else "audio" in own["modalities"]
         wants_rows = speech and self.talker_output
         if wants_rows:  # hits only blocks a spoken request computed: their talker rows are kept
             params["cache_salt"] = spoken_salt(params.get("cache_salt"))
         self._speech = speech
+        self._audio_in_video = own["use_audio_in_video"]
         super()._admit(dataclasses.replace(request, params=params))
         prompt = self._admitting
         forced = self._forcing
@@ -204,55 +193,20 @@ class ThinkerStage(ARLMStage):
         messages = inputs.get("messages")
         if self._forcing is not None:
             messages = speak_messages(messages, self._forcing.text)
-        prompt = self.build_prompt(messages, inputs.get("audio_embeds"), inputs.get("image_embeds"), self._speech)
+        prompt = self.build_prompt(messages, inputs, self._speech, self._audio_in_video)
         if self._forcing is not None:
             prompt = self._with_reply(prompt, self._forcing)
         self._admitting = prompt
         return prompt.token_ids, prompt.embeds, prompt.positions
 
-    def build_prompt(self, messages: Any, audio_embeds: Any, image_embeds: Any, speech: bool) -> OmniPrompt:
-        audios = _as_list(audio_embeds)
-        images = _as_list(image_embeds)
-        if any(not isinstance(i, dict) or "embeds" not in i or "grid_thw" not in i for i in images):
-            raise InvalidRequestError("image_embeds entries need 'embeds' and 'grid_thw'", param="image_embeds")
-        image_rows = [i["embeds"] for i in images]
-        text = self.processor.prompt_text(messages, speech=speech)
-        ids = self.processor.expand_media(
-            text, [int(a.shape[0]) for a in audios], [int(r.shape[0]) for r in image_rows]
+    def build_prompt(self, messages: Any, inputs: dict[str, Any], speech: bool, audio_in_video: bool) -> OmniPrompt:
+        media = MediaInputs(
+            _as_list(inputs.get("audio_embeds")),
+            _as_list(inputs.get("image_embeds")),
+            _as_list(inputs.get("video_embeds")),
+            audio_in_video,
         )
-        if not audios and not images:
-            return OmniPrompt(ids, None, None, None)
-        hidden = self.engine.model.embed_tokens.weight.shape[1]
-        if any(r.dim() != 2 or r.shape[1] != hidden for r in audios + image_rows):
-            raise InvalidRequestError(f"encoder embeddings must be [tokens, {hidden}] tensors", param="audio_embeds")
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        table = self.engine.model.embed_tokens
-        with torch.no_grad():
-            embeds = table(ids_t.to(table.weight.device)).float().cpu()
-        keys = list(ids)
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        items = [
-            (self.processor.audio_token_id, audios, [None] * len(audios)),
-            (self.processor.image_token_id, image_rows, [i["grid_thw"] for i in images]),
-        ]
-        for token_id, rows, grids in items:
-            at = (ids_t == token_id).nonzero().flatten()
-            mask[at] = True
-            if rows:
-                embeds[at] = torch.cat([r.float().cpu() for r in rows])
-            offset = 0
-            for r, grid in zip(rows, grids):
-                key = content_key(r, grid)
-                for i in at[offset : offset + r.shape[0]].tolist():
-                    keys[i] = key
-                offset += r.shape[0]
-        positions = None
-        if images:
-            grids = [[int(x) for x in i["grid_thw"]] for i in images]
-            positions = mrope_positions(
-                ids, self.processor.image_token_id, grids, self.spatial_merge, self.position_id_per_seconds
-            )
-        return OmniPrompt(ids, embeds, mask, keys, positions)
+        return self.prompts.build(messages, media, speech)
 
     def _with_reply(self, prompt: OmniPrompt, forced: ForcedReply) -> OmniPrompt:
         """The prompt followed by the forced reply's tokens (prefilled like the prompt)."""

@@ -1,9 +1,11 @@
-"""The `vision_encoder` stage: Qwen2.5-Omni's vision tower (images) as a dynamic-batch stage.
+"""The `vision_encoder` stage: Qwen2.5-Omni's vision tower (images, videos) as a dynamic-batch stage.
 
 A request carries one image or a list of them (encoded bytes, a path, a PIL image or an
 [H, W, 3] uint8 array); its output `image_embeds` is a list with one entry per image, in
 order: {"embeds": [tokens, hidden], "grid_thw": [t, h, w]} (the patch grid, which the thinker
-needs for the placeholder count and the 3-D positions).
+needs for the placeholder count and the 3-D positions). `videos` likewise (encoded bytes, a path, or {"frames", "fps"}; frames
+sampled, resized and cut into patches by stages/omni/video.py) gives `video_embeds`: one
+{"embeds", "grid_thw", "second_per_grid"} per video.
 
 Pixels are prepared with transformers' PIL-based Qwen2-VL image processor (resize to a
 multiple of patch x merge within the pixel budget, normalise, cut into patches): it needs no
@@ -26,6 +28,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageContext, StageRequest
 from omnistage.stages.dynamic import PreparedBatchEngine
 from omnistage.stages.omni.checkpoint import load_submodule, read_config
+from omnistage.stages.omni.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VideoPatcher, VideoPatches
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
@@ -125,8 +128,8 @@ def encode_images(tower: torch.nn.Module, patches: list[torch.Tensor], grids: li
 
 @register_stage("vision_encoder")
 class VisionEncoderStage(PreparedBatchEngine):
-    inputs = {"images": Port("image")}
-    outputs = {"image_embeds": Port("embeddings")}
+    inputs = {"images": Port("image", optional=True), "videos": Port("video", optional=True)}
+    outputs = {"image_embeds": Port("embeddings"), "video_embeds": Port("embeddings")}
     needs_model = True
     stage_params = STAGE_PARAMS
     prepare_errors = (InvalidRequestError,)
@@ -141,20 +144,34 @@ class VisionEncoderStage(PreparedBatchEngine):
         min_pixels = params["min_pixels"] or pre.get("min_pixels") or 56 * 56
         max_pixels = params["max_pixels"] or pre.get("max_pixels") or 28 * 28 * 1280
         self.patcher = ImagePatcher(vision_config, min_pixels, max_pixels)
+        self.video_patcher = VideoPatcher(vision_config, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
         self.tower = build_vision_tower(str(ctx.model_path), params["weight_prefix"], ctx.device, ctx.dtype)
 
-    def prepare(self, request: StageRequest) -> tuple[list[tuple[torch.Tensor, list[int]]], Hashable]:
-        images = request.inputs.get("images")
-        if images is None:  # a request without images: nothing to encode
-            return [], None
-        items = images if isinstance(images, list) else [images]
-        return [self.patcher(load_image(x)) for x in items], None
+    def prepare(self, request: StageRequest) -> tuple[list[Any], Hashable]:
+        images = _items(request.inputs.get("images"))
+        videos = _items(request.inputs.get("videos"))
+        return [self.patcher(load_image(x)) for x in images] + [self.video_patcher(v) for v in videos], None
 
     def forward_batch(self, requests: list[StageRequest]) -> list[Any]:
-        return self.forward_items(
-            requests,
-            lambda items: encode_images(self.tower, [patches for patches, _ in items], [grid for _, grid in items]),
-            lambda items, embeds: {
-                "image_embeds": [{"embeds": e, "grid_thw": grid} for (_, grid), e in zip(items, embeds)]
-            },
-        )
+        return self.forward_items(requests, self._encode, _outputs)
+
+    def _encode(self, items: list[Any]) -> list[torch.Tensor]:
+        patches = [i.patches if isinstance(i, VideoPatches) else i[0] for i in items]
+        grids = [i.grid_thw if isinstance(i, VideoPatches) else i[1] for i in items]
+        return encode_images(self.tower, patches, grids)
+
+
+def _items(value: Any) -> list:
+    if value is None:  # a request without this input: nothing to encode
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def _outputs(items: list[Any], embeds: list[torch.Tensor]) -> dict[str, Any]:
+    images, videos = [], []
+    for item, e in zip(items, embeds):
+        if isinstance(item, VideoPatches):
+            videos.append({"embeds": e, "grid_thw": item.grid_thw, "second_per_grid": item.second_per_grid})
+        else:
+            images.append({"embeds": e, "grid_thw": item[1]})
+    return {"image_embeds": images, "video_embeds": videos}

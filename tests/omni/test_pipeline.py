@@ -214,3 +214,28 @@ def test_speak_says_the_text_through_the_pipeline(omni_pipeline, omni_dir, omni_
         assert audio.numel() == 480 * len(expected) and audio.abs().max() > 1e-3 and audio.std() > 1e-4
         speech[voice] = list(out["codes"])
     assert speech["Ethan"] != speech["Chelsie"]
+
+
+def test_mp4_with_its_sound_through_the_pipeline_equals_transformers(omni_pipeline, omni_dir, omni_ref, tmp_path):
+    """A video file given twice (as the video and as its audio) with use_audio_in_video: the
+    workers decode frames and sound, and the answer is transformers' for those frames and sound."""
+    from transformers import AutoTokenizer
+
+    from omnistage.stages.omni.inputs import decode_audio
+    from omnistage.stages.omni.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VideoPatcher, load_frames
+
+    from .test_video import _frames, _mp4, _reference, _vision_config
+
+    frames = np.repeat(np.repeat(_frames(12, 14, 21, 4), 4, axis=1), 4, axis=2)
+    raw = _mp4(frames, 4, _clip(3.0, 8))
+    video = dict(zip(("frames", "fps"), load_frames(raw)))
+    patches = VideoPatcher(_vision_config(omni_dir), VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)(video)
+    parts = [{"type": "video"}, {"type": "text", "text": "What happens?"}]
+    messages = [{"role": "user", "content": parts}]
+    _, _, tokens = _reference(omni_ref, omni_dir, messages, video, patches, decode_audio(raw, 16000), True)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(raw)
+    params = _params(False)
+    params["thinker"].update(max_tokens=10, use_audio_in_video=True)
+    out = omni_pipeline.run({"messages": messages, "videos": [str(path)], "audio": [raw]}, params, timeout=120)
+    assert out["text"] == AutoTokenizer.from_pretrained(str(omni_dir)).decode(tokens, skip_special_tokens=True)
