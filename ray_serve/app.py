@@ -64,7 +64,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     for spec in source.load_all():
         handles[spec.name] = {
             stage: stage_cls.options(**stage_options(spec, stage, opts), request_router_config=router).bind(
-                source.to_dict(), spec.name, stage
+                source.to_dict(), spec.name, stage, opts.to_dict()
             )
             for stage in spec.stages
         }

@@ -1,10 +1,16 @@
-"""One request at one stage deployment: a StageCall, and the edge permits the driver holds.
+"""The driver's side of the Serve calls: edge permits, one link per replica, one call per
+request and stage.
 
-A StageCall opens the replica's `open` stream (after taking the stage's edge permits, as the
-embedded worker does before adding a request), learns the replica's id from its first item,
-then relays the request's deliveries to that replica in batches (one call in flight; what
-arrives meanwhile leaves together in the next) and hands each batch of emits it streams back
-to the driver. Cancelling it cancels the stream, which aborts the request in that engine.
+- DriverPermits: the `EdgePermits` surface the Router uses, as counters the driver's loop
+  waits on (a producer stage takes its out-edges' permits before it takes a request, as the
+  embedded worker does before adding it to its engine).
+- ReplicaLink: what the driver holds per replica it uses: the replica's `listen` stream (the
+  emits of all the driver's requests there, a step's worth per item) and its deliveries,
+  batched across requests (one `deliver` call in flight; what arrives meanwhile leaves
+  together in the next). A link that fails fails the requests it carries, and only those.
+- StageCall: one request at one stage: takes the permits, `open`s the request (Serve picks
+  the replica, which answers its id) with the deliveries that arrived so far, then hands
+  everything to that replica's link. Cancelling it aborts the request on the replica.
 """
 
 from __future__ import annotations
@@ -60,65 +66,121 @@ class DriverPermits:
                 w.set_result(None)
 
 
-class StageCall:
+class ReplicaLink:
     def __init__(
         self,
-        rid: str,
-        replica: Replica,
+        stage: str,
+        pin: str,
         handle: Any,
-        permits: DriverPermits,
-        on_permits: Callable[[str, Replica, tuple[int, ...]], None],
-        on_emits: Callable[[Replica, list[Emit]], None],
-        on_failure: Callable[[str, Replica, BaseException], None],
+        channel: str,
+        on_emits: Callable[[ReplicaLink, list[Emit]], None],
+        on_lost: Callable[[ReplicaLink, list[str], BaseException], None],
     ):
-        self.rid = rid
-        self.replica = replica
+        self.stage = stage
+        self.pin = pin
         self.handle = handle
-        self.permits = permits
-        self.on_permits = on_permits
         self.on_emits = on_emits
-        self.on_failure = on_failure
+        self.on_lost = on_lost
+        self.requests: set[str] = set()
         self.pending: list[Deliver] = []
-        self.pin: str | None = None
         self.sending = False
-        self.stream: Any = None
-        self.task = asyncio.get_running_loop().create_task(self._run())
+        self.lost = False  # its stream failed: the replica is gone
+        self.stream = handle.options(stream=True).listen.remote(channel, replica=pin)
+        self.task = asyncio.get_running_loop().create_task(self._listen())
+
+    async def _listen(self) -> None:
+        try:
+            async for emits in self.stream:
+                self.on_emits(self, emits)
+            raise RuntimeError(f"replica {self.pin} closed its stream")
+        except asyncio.CancelledError:
+            self.stream.cancel()
+        except Exception as exc:  # noqa: BLE001 - the replica died: what it held fails
+            self.lost = True
+            self.on_lost(self, sorted(self.requests), exc)
 
     def deliver(self, msg: Deliver) -> None:
         self.pending.append(msg)
-        if self.pin is not None and not self.sending:
+        if not self.sending:
             self.sending = True
             asyncio.get_running_loop().create_task(self._send())
-
-    def cancel(self) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
-        self.task.cancel()
-
-    async def _run(self) -> None:
-        try:
-            edges = await self.permits.take(self.replica.stage) if self.permits.free else ()
-            if edges:
-                self.on_permits(self.rid, self.replica, edges)
-            self.stream = self.handle.options(stream=True).open.remote(self.rid)
-            self.pin = await self.stream.__anext__()
-            if self.pending and not self.sending:
-                self.sending = True
-                asyncio.get_running_loop().create_task(self._send())
-            async for emits in self.stream:
-                self.on_emits(self.replica, emits)
-        except asyncio.CancelledError:
-            if self.stream is not None:
-                self.stream.cancel()
-        except Exception as exc:  # noqa: BLE001 - the replica died or refused: this request fails
-            self.on_failure(self.rid, self.replica, exc)
 
     async def _send(self) -> None:
         try:
             while self.pending:
                 batch, self.pending = self.pending, []
-                await self.handle.deliver.remote(self.rid, batch, replica=self.pin)
+                unknown = await self.handle.deliver.remote(batch, replica=self.pin)
+                if unknown:  # routed to another replica: this one is gone
+                    self.on_lost(self, unknown, RuntimeError(f"replica {self.pin} is gone"))
         except Exception as exc:  # noqa: BLE001
-            self.on_failure(self.rid, self.replica, exc)
+            self.on_lost(self, sorted({m.request_id for m in batch}), exc)
         finally:
             self.sending = False
+
+    def abort(self, rid: str) -> None:
+        self.requests.discard(rid)
+        asyncio.get_running_loop().create_task(self._abort(rid))
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            await self.handle.abort.remote(rid, replica=self.pin)
+        except Exception:  # noqa: BLE001 - a replica that is gone holds nothing any more
+            pass
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.task.cancel()
+
+
+class StageCall:
+    def __init__(
+        self,
+        rid: str,
+        replica: Replica,
+        driver: Any,  # RayDriver: channel, handles, permits, link_for, callbacks
+    ):
+        self.rid = rid
+        self.replica = replica
+        self.driver = driver
+        self.pending: list[Deliver] = []
+        self.link: ReplicaLink | None = None
+        self.opening = False
+        self.cancelled = False
+        self.task = asyncio.get_running_loop().create_task(self._open())
+
+    def deliver(self, msg: Deliver) -> None:
+        if self.link is not None:
+            self.link.deliver(msg)
+        else:
+            self.pending.append(msg)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.link is not None:
+            self.link.abort(self.rid)
+        elif not self.opening:
+            self.task.cancel()  # still waiting for permits: nothing was opened
+        # while `open` is in flight, _open aborts once it knows the replica
+
+    async def _open(self) -> None:
+        d, stage = self.driver, self.replica.stage
+        try:
+            edges = await d.permits.take(stage) if d.permits.free else ()
+            if edges:
+                d.on_permits(self.rid, self.replica, edges)
+            self.opening = True
+            batch, self.pending = self.pending, []
+            pin = await d.handles[stage].open.remote(self.rid, d.channel, batch)
+            link = d.link_for(stage, pin)
+            link.requests.add(self.rid)
+            self.link = link
+            if self.cancelled:
+                link.abort(self.rid)
+                return
+            for msg in self.pending:
+                link.deliver(msg)
+            self.pending = []
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - no replica took it: this request fails
+            d.on_failure(self.rid, stage, exc)

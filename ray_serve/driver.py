@@ -31,7 +31,7 @@ from omnistage.errors import (
 )
 from omnistage.graph.inputs import check_inputs
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
-from omnistage.ray_serve.calls import DriverPermits, StageCall
+from omnistage.ray_serve.calls import DriverPermits, ReplicaLink, StageCall
 from omnistage.ray_serve.options import deployment_name
 from omnistage.runtime.ledger import SlotBook
 from omnistage.runtime.messages import Abort, Deliver, Emit, PermitsTaken
@@ -69,7 +69,10 @@ class RayDriver:
         self._router = _RayRouter(self, spec, self._permits, self._cond)
         self._requests = self._router.requests
         self.counts = self._router.counts
-        self._calls: dict[tuple[str, str], StageCall] = {}
+        self._calls: dict[tuple[str, str], StageCall] = {}  # (request, stage) -> its call
+        self._links: dict[tuple[str, str], ReplicaLink] = {}  # (stage, replica id) -> link
+        self.channel = uuid.uuid4().hex  # names this driver to the replicas
+        self.permits = self._permits
         self._health: dict[str, bool] = dict.fromkeys(spec.stages, False)
         self.started = self.closing = self.closed = False
         self.loop = asyncio.new_event_loop()
@@ -238,37 +241,41 @@ class RayDriver:
         if call is None:
             if msg.request_id not in self._requests:
                 return  # ended before its delivery left
-            call = self._calls[key] = StageCall(
-                msg.request_id,
-                r,
-                self.handles[r.stage],
-                self._permits,
-                self._on_permits,
-                self._on_emits,
-                self._on_failure,
-            )
-            call.task.add_done_callback(lambda _t, key=key, call=call: self._forget(key, call))
+            call = self._calls[key] = StageCall(msg.request_id, r, self)
         call.deliver(msg)
 
-    def _forget(self, key: tuple[str, str], call: StageCall) -> None:
-        if self._calls.get(key) is call:
-            del self._calls[key]
+    def link_for(self, stage: str, pin: str) -> ReplicaLink:
+        link = self._links.get((stage, pin))
+        if link is None:
+            link = ReplicaLink(stage, pin, self.handles[stage], self.channel, self._on_emits, self._on_lost)
+            self._links[(stage, pin)] = link
+        return link
 
-    def _on_permits(self, rid: str, r: Replica, edges: tuple[int, ...]) -> None:
+    def on_permits(self, rid: str, r: Replica, edges: tuple[int, ...]) -> None:
         with self._lock:
             self._router.on_permits_taken(r, PermitsTaken(rid, edges))
 
-    def _on_emits(self, r: Replica, emits: list[Emit]) -> None:
+    def _on_emits(self, link: ReplicaLink, emits: list[Emit]) -> None:
+        r = self._router.replicas[link.stage][0]
         with self._lock:
             for emit in emits:
                 self._router.on_emit(r, emit)
+                if emit.finished:
+                    link.requests.discard(emit.request_id)
+                    self._calls.pop((emit.request_id, link.stage), None)
 
-    def _on_failure(self, rid: str, r: Replica, exc: BaseException) -> None:
+    def _on_lost(self, link: ReplicaLink, rids: list[str], exc: BaseException) -> None:
+        if link.lost and self._links.get((link.stage, link.pin)) is link:
+            del self._links[(link.stage, link.pin)]
+        for rid in rids:
+            self.on_failure(rid, link.stage, exc)
+
+    def on_failure(self, rid: str, stage: str, exc: BaseException) -> None:
         with self._lock:
             req = self._requests.get(rid)
-            if req is not None and r.stage in req.open_stages:
-                log.warning("request %s failed at %s: %s", rid, r.stage, exc)
-                error = WorkerDiedError(r.stage, f"its replica failed ({type(exc).__name__}); retry the request")
+            if req is not None and stage in req.open_stages:
+                log.warning("request %s failed at %s: %s", rid, stage, exc)
+                error = WorkerDiedError(stage, f"its replica failed ({type(exc).__name__}); retry the request")
                 self._router.finish(req, error, "worker_died")
 
     # -- stats ----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.graph.spec import PipelineSpec
+from omnistage.runtime.openmp import openmp_env
 
 INGRESS = "ingress"
 # Each request holds one open stream per stage it uses, plus short delivery calls: the engine
@@ -70,6 +71,8 @@ class BackendOptions:
     ingress_replicas: int = 1
     ingress_cpus: float = 0.0
     drain_timeout: float = 30.0
+    # a stage replica's emits leave at most this often under a steady flow (replica.py)
+    relay_interval_ms: float = 5.0
     api_keys: list[str] = field(default_factory=list)
 
     @classmethod
@@ -89,7 +92,12 @@ def stage_options(spec: PipelineSpec, stage: str, opts: BackendOptions) -> dict[
     """Keyword arguments of `serve.deployment(...).options()` for one stage pool (plain JSON
     besides the router path, so config.py writes the same values)."""
     pool = spec.stages[stage].pool
-    actor: dict[str, Any] = {"num_cpus": float(pool.threads) * opts.cpus_per_thread}
+    # the OpenMP settings of an embedded worker, in place before torch loads in the replica
+    env = {**openmp_env({}), "OMP_NUM_THREADS": str(pool.threads)}
+    actor: dict[str, Any] = {
+        "num_cpus": float(pool.threads) * opts.cpus_per_thread,
+        "runtime_env": {"env_vars": env},
+    }
     if any(d.startswith("cuda") for d in pool.devices):
         actor["num_gpus"] = 1
     scaling = getattr(pool, "autoscaling", None)  # the optional `autoscaling:` block

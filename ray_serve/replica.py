@@ -2,16 +2,18 @@
 
 The engine is built and stepped by `runtime.worker.Worker` itself, in a thread of the replica:
 the same inbox (Deliver, Abort), the same input assembly (fan-in joins, re-chunking), the same
-continuous stepping that batches every request routed to the replica. Only its transport
-differs: deliveries arrive as Serve calls instead of pipe messages, and each request's
-emissions leave through that request's `open` stream instead of the worker's pipe, as values
-in Ray's object store instead of shared-memory references.
+continuous stepping that batches every request routed to it. Only its transport differs:
+deliveries arrive as Serve calls instead of pipe messages, and emissions leave through one
+stream per graph driver instead of the worker's pipe, as values in Ray's object store.
 
-Calls, each made by the graph driver (ray_serve/driver.py):
-- `open(rid)`: a streaming call; yields this replica's id first (the pin for what follows),
-  then lists of `Emit`s until the stage finished the request. Cancelling it aborts the
-  request in the engine.
-- `deliver(rid, delivers, replica=ID)`: the request's inputs, in order, batched per hop.
+Calls, each made by a graph driver (ray_serve/driver.py) that names itself by a channel id:
+- `open(rid, channel, delivers)`: takes a request (Serve picks the replica) with its first
+  deliveries; answers this replica's id, which pins the calls below to it.
+- `listen(channel, replica=ID)`: a streaming call, one per driver and replica; yields lists
+  of `Emit`s of every request of that driver, all a step produced in one item. When it ends
+  (the driver went away), the driver's requests are aborted here.
+- `deliver(delivers, replica=ID)` and `abort(rid, replica=ID)`: later inputs (several
+  requests' in one call) and cancellation.
 - `stats()`: the worker's snapshot (queue depth, batch sizes, engine stats).
 """
 
@@ -24,14 +26,13 @@ from typing import Any
 
 import torch
 
-from omnistage.ray_serve.options import PipelineSource
+from omnistage.ray_serve.options import BackendOptions, PipelineSource
+from omnistage.runtime.allocator import apply_allocator_defaults
 from omnistage.runtime.messages import Abort, Deliver, Emit, EmitBatch, Ready, Shutdown, StartFailed
 from omnistage.runtime.worker import Worker, WorkerConfig
 from omnistage.stages.base import Emission
 
-
-class UnknownRequestError(RuntimeError):
-    """A delivery reached a replica that does not hold its request (the one that did died)."""
+ENDED_KEEP = 4096
 
 
 class _EngineLoop(Worker):
@@ -88,37 +89,60 @@ def _portable(value: Any) -> Any:
     return value
 
 
-class _RequestStream:
-    """One request's emits, handed from the engine thread to the replica's event loop."""
+class _Channel:
+    """One driver's emits on this replica, handed from the engine thread to the event loop.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    Each item the stream yields costs this process (and so the engine thread beside it) a
+    fixed share of Serve's per-item work, whatever it carries. So under a steady flow items
+    leave at most every `interval` seconds, each with all the steps made meanwhile; the first
+    item after a quiet spell leaves at once (no latency added to a first chunk)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float):
         self.loop = loop
+        self.interval = interval
         self.queue: asyncio.Queue[list[Emit]] = asyncio.Queue()
+        self.requests: set[str] = set()
+        self.last = float("-inf")
 
     async def next_batch(self) -> list[Emit]:
         batch = await self.queue.get()
-        while not self.queue.empty():  # everything produced meanwhile leaves in one message
+        wait = self.last + self.interval - self.loop.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        while not self.queue.empty():  # everything produced meanwhile leaves in one item
             batch = batch + self.queue.get_nowait()
+        self.last = self.loop.time()
         return batch
 
 
 class StageReplica:
     """The deployment class; app.py wraps it with `serve.deployment` and the pool's options."""
 
-    def __init__(self, source: dict, pipeline: str, stage: str):
+    def __init__(self, source: dict, pipeline: str, stage: str, options: dict | None = None):
         from ray import serve
 
         spec = PipelineSource.from_dict(source).load(pipeline)
         pool = spec.stages[stage].pool
+        apply_allocator_defaults()  # as an embedded worker: freed memory is reused, not faulted in again
         torch.set_num_threads(max(1, int(pool.threads)))
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:  # already set in this process
+            pass
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         # Ray hands a GPU replica its device as the only visible one
         device = "cuda:0" if any(d.startswith("cuda") for d in pool.devices) else "cpu"
         cfg = WorkerConfig(spec, stage, _rank(context), device, f"omnistage-ray-{os.getpid()}")
-        self._streams: dict[str, _RequestStream] = {}
+        self._relay_interval = BackendOptions.from_dict(options).relay_interval_ms / 1000.0
+        self._channels: dict[str, _Channel] = {}
+        self._owner: dict[str, _Channel] = {}  # request id -> its driver's channel
+        # requests that ended here lately (finished, aborted): inputs still on their way to them
+        # are dropped (a stage may finish before its streaming inputs close)
+        self._ended: dict[str, None] = {}
         self._lock = threading.Lock()
-        self._outbox: list[list[Emit]] = []
+        self._outbox: list[Emit] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.worker = _EngineLoop(cfg, self._publish)
         self._thread = threading.Thread(target=self.worker.run, name=f"omnistage-{stage}", daemon=True)
         self._thread.start()
@@ -128,48 +152,77 @@ class StageReplica:
 
     # -- engine thread -> event loop ---------------------------------------------------------
     def _publish(self, emits: list[Emit]) -> None:
-        loops = {s.loop for e in emits if (s := self._streams.get(e.request_id)) is not None}
-        if not loops:
-            return  # requests that ended here (cancelled): nobody reads these
+        if self._loop is None:
+            return  # no request was ever opened here
         with self._lock:
-            self._outbox.append(emits)
-            if len(self._outbox) > 1:
-                return  # a hand-over is already scheduled and takes these too
-        for loop in loops:
-            loop.call_soon_threadsafe(self._hand_over)
+            first = not self._outbox
+            self._outbox.extend(emits)
+        if first:  # else a hand-over is already scheduled and takes these too
+            self._loop.call_soon_threadsafe(self._hand_over)
 
     def _hand_over(self) -> None:
         with self._lock:
-            batches, self._outbox = self._outbox, []
-        by_request: dict[str, list[Emit]] = {}
-        for emits in batches:
-            for e in emits:
-                by_request.setdefault(e.request_id, []).append(e)
-        for rid, emits in by_request.items():
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.queue.put_nowait(emits)
+            emits, self._outbox = self._outbox, []
+        by_channel: dict[_Channel, list[Emit]] = {}
+        for e in emits:
+            channel = self._owner.get(e.request_id)
+            if channel is None:
+                continue  # aborted here: nobody reads it
+            by_channel.setdefault(channel, []).append(e)
+            if e.finished:
+                del self._owner[e.request_id]
+                channel.requests.discard(e.request_id)
+                self._end(e.request_id)
+        for channel, batch in by_channel.items():
+            channel.queue.put_nowait(batch)
+
+    def _channel(self, name: str) -> _Channel:
+        self._loop = asyncio.get_running_loop()
+        channel = self._channels.get(name)
+        if channel is None:
+            channel = self._channels[name] = _Channel(self._loop, self._relay_interval)
+        return channel
 
     # -- calls ---------------------------------------------------------------------------------
-    async def open(self, rid: str):
-        stream = self._streams[rid] = _RequestStream(asyncio.get_running_loop())
-        finished = False
-        try:
-            yield self.replica_id
-            while not finished:
-                batch = await stream.next_batch()
-                finished = any(e.finished for e in batch)
-                yield batch
-        finally:
-            self._streams.pop(rid, None)
-            if not finished:  # cancelled by the driver, or the caller went away
-                self.worker.inbox.put(Abort(rid))
-
-    async def deliver(self, rid: str, delivers: list[Deliver], replica: str | None = None) -> None:
-        if rid not in self._streams:
-            raise UnknownRequestError(f"replica {self.replica_id} does not hold request {rid}")
+    async def open(self, rid: str, channel: str, delivers: list[Deliver]) -> str:
+        ch = self._channel(channel)
+        ch.requests.add(rid)
+        self._owner[rid] = ch
         for msg in delivers:
             self.worker.inbox.put(msg)
+        return self.replica_id
+
+    async def listen(self, channel: str, replica: str | None = None):
+        ch = self._channel(channel)
+        try:
+            while True:
+                yield await ch.next_batch()
+        finally:  # the driver is gone (or cancelled the stream): its requests end here
+            self._channels.pop(channel, None)
+            for rid in ch.requests:
+                self._owner.pop(rid, None)
+                self._end(rid)
+                self.worker.inbox.put(Abort(rid))
+
+    async def deliver(self, delivers: list[Deliver], replica: str | None = None) -> list[str]:
+        """Queue the deliveries; answers the requests this replica never held (the replica
+        that did died and Serve routed the call here): those fail, the others go on."""
+        for msg in delivers:
+            if msg.request_id in self._owner:
+                self.worker.inbox.put(msg)
+        return sorted({m.request_id for m in delivers if m.request_id not in self._owner} - self._ended.keys())
+
+    async def abort(self, rid: str, replica: str | None = None) -> None:
+        ch = self._owner.pop(rid, None)
+        if ch is not None:
+            ch.requests.discard(rid)
+            self._end(rid)
+            self.worker.inbox.put(Abort(rid))
+
+    def _end(self, rid: str) -> None:
+        self._ended[rid] = None
+        if len(self._ended) > ENDED_KEEP:
+            del self._ended[next(iter(self._ended))]
 
     def stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.worker.snapshot()}

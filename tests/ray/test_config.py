@@ -77,7 +77,9 @@ def test_options_follow_the_pools(config):
     (app,) = doc["applications"]
     by_name = {d["name"]: d for d in app["deployments"]}
     assert by_name["tiny-llm.llm"]["num_replicas"] == 1
-    assert by_name["tiny-llm.llm"]["ray_actor_options"] == {"num_cpus": 0.5}
+    llm = by_name["tiny-llm.llm"]["ray_actor_options"]
+    assert llm["num_cpus"] == 0.5 and "num_gpus" not in llm
+    assert llm["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "1"  # the pool's threads
     scaled = by_name["scaled.llm"]
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {
@@ -86,7 +88,9 @@ def test_options_follow_the_pools(config):
         "initial_replicas": 2,
         "target_ongoing_requests": 16,
     }
-    assert scaled["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1, "resources": {"llm_node": 1}}
+    actor = scaled["ray_actor_options"]
+    assert (actor["num_cpus"], actor["num_gpus"], actor["resources"]) == (1.0, 1, {"llm_node": 1})
+    assert actor["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
     assert app["args"]["configs"] == ["tiny-llm", "tiny-image", str(path)]
 
 
