@@ -7,7 +7,10 @@ Measured through the runtime's real worker loop (Pipeline -> orchestrator -> wor
   are sent one at a time). Both stamps are CLOCK_MONOTONIC, comparable across processes.
 - transfer_gbps: a 64 MiB float32 tensor held in the producer's private memory, from the
   producer's module returning it to the consumer's module having summed every element
-  (steady state: the first transfer of each run is a warm-up and not counted).
+  (steady state: the first transfer of each run is a warm-up and not counted). Each transfer
+  carries a different tensor (the request's nonce is written into its first element) and the
+  consumer reports the CRC-32 of the bytes it read, which the bench checks against its own
+  copy: a corrupted, stale or skipped transfer fails the run.
 - graph4_overhead_ms_p50: end-to-end `Pipeline.run` time of a diamond of four no-op stages.
 References measured in the same run (each right after the figure it explains, since the
 machine is shared and noisy): a bare multiprocessing pipe one-way hop between two processes,
@@ -24,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,8 @@ class BigProducer(nn.Module):
         self.scratch = torch.zeros_like(self.buf)  # touched: no page faults when timed
 
     def forward(self, x, params=None):
+        if (params or {}).get("nonce") is not None:  # a different tensor for every transfer
+            self.buf[0] = float(params["nonce"])
         if (params or {}).get("reference"):
             t0 = time.perf_counter_ns()
             self.scratch.copy_(self.buf)
@@ -68,7 +74,9 @@ class BigConsumer(nn.Module):
         if payload["tensor"] is None:
             return {"result": {"dt_ns": payload["ref_dt_ns"], "sum": payload["sum"]}}
         total = float(payload["tensor"].sum())  # reads every byte
-        return {"result": {"dt_ns": time.perf_counter_ns() - payload["t0"], "sum": total}}
+        dt_ns = time.perf_counter_ns() - payload["t0"]
+        crc = zlib.crc32(payload["tensor"].numpy())  # after the clock stops: not timed
+        return {"result": {"dt_ns": dt_ns, "sum": total, "crc32": crc}}
 
 
 def _yaml(name: str, body: str) -> str:
@@ -180,15 +188,34 @@ def _hop_samples(hop, count: int) -> list[float]:
     return samples
 
 
-def _transfer_rates(big, mib: int, count: int, expected_sum: float) -> tuple[float, float]:
-    """Median GB/s of the producer -> consumer transfer, then of the in-producer copy + sum
-    reference measured right after it (same process, same conditions)."""
-    big.run({"x": 0})  # warm-up: segments allocated and mapped
+class TransferCheck:
+    """The bench's own copy of the producer's tensor: the CRC-32 each transfer must arrive with."""
+
+    def __init__(self, mib: int):
+        self.buf = BigProducer(mib).buf
+        self.nonce = 0
+        self.verified: list[dict[str, int]] = []
+
+    def params(self) -> dict[str, Any]:
+        self.nonce += 1
+        return {"producer": {"nonce": self.nonce}}
+
+    def verify(self, result: dict[str, Any]) -> None:
+        self.buf[0] = float(self.nonce)
+        expected = zlib.crc32(self.buf.numpy())
+        if result["crc32"] != expected:
+            raise RuntimeError(f"transfer {self.nonce} corrupted: crc32 {result['crc32']:#x} != {expected:#x}")
+        self.verified.append({"nonce": self.nonce, "crc32": expected})
+
+
+def _transfer_rates(big, mib: int, count: int, check: TransferCheck) -> tuple[float, float]:
+    """Median GB/s of the producer -> consumer transfer (each one's checksum verified), then of
+    the in-producer copy + sum reference measured right after it (same process, same conditions)."""
+    check.verify(big.run({"x": 0}, check.params())["result"])  # warm-up: segments allocated and mapped
     rates = []
     for _ in range(count):
-        r = big.run({"x": 0})["result"]
-        if abs(r["sum"] - expected_sum) > 1e-3 * max(1.0, abs(expected_sum)):
-            raise RuntimeError(f"transfer corrupted: sum {r['sum']} != {expected_sum}")
+        r = big.run({"x": 0}, check.params())["result"]
+        check.verify(r)
         rates.append(mib * 1024 * 1024 / (r["dt_ns"] / 1e9) / 1e9)
     ref_rates = []
     for _ in range(count):
@@ -234,7 +261,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
         bar = tqdm(total=runs * 4, desc="bench runtime", disable=not progress, file=sys.stderr)
         hop_p50, hop_p99, pipe_p50, gbps, g4, ref_copy = [], [], [], [], [], []
         hop_samples, pipe_samples = [], []  # every run's samples, for the histogram
-        expected_sum = float(BigProducer(mib).buf.sum())
+        check = TransferCheck(mib)
         for _ in range(runs):
             samples = _hop_samples(pipes["hop"], hops_per_run)
             hop_p50.append(_pct(samples, 0.5))
@@ -245,7 +272,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
             pipe_p50.append(_pct(pipe, 0.5))
             pipe_samples += pipe
             bar.update()
-            rate, reference_rate = _transfer_rates(pipes["big"], mib, transfers_per_run, expected_sum)
+            rate, reference_rate = _transfer_rates(pipes["big"], mib, transfers_per_run, check)
             gbps.append(rate)
             ref_copy.append(reference_rate)
             bar.update()
@@ -289,6 +316,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
             "start_method": "forkserver",
         },
         "samples": {"hop_us": hop_samples, "pipe_hop_us": pipe_samples},
+        "transfer_checksums": check.verified,
     }
 
 
