@@ -57,6 +57,13 @@ export async function getBlob(path) {
   return response.blob();
 }
 
+// A response body as it arrives (a reader of Uint8Array chunks).
+export async function readStream(path, signal) {
+  const response = await fetch(path, { headers: headers(), signal });
+  if (!response.ok) throw await failure(response);
+  return response.body.getReader();
+}
+
 // Server-sent events read through fetch (EventSource cannot send an Authorization header).
 export async function followEvents(path, onEvent, signal) {
   const response = await fetch(path, { headers: headers({ accept: "text/event-stream" }), signal });
@@ -81,13 +88,17 @@ export async function followEvents(path, onEvent, signal) {
   }
 }
 
-// A websocket URL on this server; a key travels as the subprotocol browsers may send
-// (`openai-insecure-api-key.KEY`), since a browser cannot set an Authorization header.
-export function openSocket(path) {
+// A websocket URL on this server. A browser cannot set an Authorization header on a
+// websocket, so a key travels as the subprotocol `openai-insecure-api-key.KEY` (what OpenAI's
+// browser clients send; the realtime route answers with the `realtime` subprotocol) or, for
+// routes that take no subprotocol, as `?api_key=KEY`.
+export function openSocket(path, { keyAs = "query" } = {}) {
   const url = new URL(path, location.href);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
   const key = apiKey();
-  return key ? new WebSocket(url, ["realtime", `openai-insecure-api-key.${key}`]) : new WebSocket(url);
+  if (key && keyAs === "subprotocol") return new WebSocket(url, ["realtime", `openai-insecure-api-key.${key}`]);
+  if (key) url.searchParams.set("api_key", key);
+  return new WebSocket(url);
 }
 
 export function base64FromBytes(bytes) {

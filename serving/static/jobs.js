@@ -1,7 +1,7 @@
 // Tab 2: an image or video job through /v1/jobs, its progress from the job's events, its
 // previews, and the result. A video plays while the VAE decodes it when the browser takes
 // fragmented MP4 through Media Source Extensions; otherwise it plays once the job is done.
-import { deletePath, followEvents, getBlob, getJson, openSocket, postJson } from "./api.js";
+import { deletePath, followEvents, getBlob, getJson, openSocket, postJson, readStream } from "./api.js";
 
 const FINISHED = new Set(["completed", "failed", "canceled"]);
 
@@ -14,7 +14,8 @@ export const jobsState = {
   events: [], // event types in arrival order
   progressEvents: 0,
   previews: 0,
-  segments: 0, // binary fMP4 segments received over the websocket
+  segments: 0, // pieces of the fMP4 stream received (websocket frames or HTTP chunks)
+  videoTransport: null, // "websocket" | "http": where the video's events and bytes came from
   bytesAppended: 0, // of those, bytes the SourceBuffer took
   streamed: false, // the video played from the stream (MSE), not from the finished file
   imageUrl: null,
@@ -75,7 +76,7 @@ function resetView(kind) {
   if (controller) controller.abort();
   controller = new AbortController();
   Object.assign(jobsState, {
-    kind, percent: 0, events: [], progressEvents: 0, previews: 0, segments: 0, bytesAppended: 0,
+    kind, percent: 0, events: [], progressEvents: 0, previews: 0, segments: 0, bytesAppended: 0, videoTransport: null,
     streamed: false, imageUrl: null, imageSize: null, videoUrl: null, error: null,
   });
   $("job-progress").value = 0;
@@ -216,33 +217,70 @@ class StreamPlayer {
   }
 }
 
+// The video's bytes, in pieces, to MSE once the init segment names the codec.
+class VideoSink {
+  constructor() {
+    this.player = null;
+    this.head = []; // pieces before the codec is known
+  }
+
+  push(bytes) {
+    jobsState.segments++;
+    if (this.player) return this.player.push(bytes);
+    if (this.head === null) return; // MSE cannot play it: the finished file will be shown
+    this.head.push(bytes);
+    const joined = new Uint8Array(this.head.reduce((n, b) => n + b.byteLength, 0));
+    let at = 0;
+    for (const b of this.head) joined.set(b, (at += b.byteLength) - b.byteLength);
+    const codec = avcCodec(joined);
+    if (!codec) return;
+    if (StreamPlayer.supported(codec)) {
+      this.player = new StreamPlayer($("job-video"));
+      this.player.start(codec);
+      jobsState.streamed = true;
+      this.player.push(joined);
+    }
+    this.head = null;
+  }
+
+  end() {
+    if (this.player) this.player.end();
+  }
+}
+
 // WS /v1/jobs/{id}/stream: the job's events as text frames, the video as binary fMP4 segments.
 function followVideo(jobId) {
   return new Promise((resolve, reject) => {
     const socket = openSocket(`/v1/jobs/${jobId}/stream`);
     socket.binaryType = "arraybuffer";
-    let player = null;
-    socket.onmessage = (message) => {
-      if (typeof message.data === "string") {
-        const event = JSON.parse(message.data);
-        onEvent(event);
-        if (event.type === "completed" && player) player.end();
-        return;
-      }
-      const bytes = new Uint8Array(message.data);
-      jobsState.segments++;
-      if (jobsState.segments === 1) {
-        const codec = avcCodec(bytes);
-        if (codec && StreamPlayer.supported(codec)) {
-          player = new StreamPlayer($("job-video"));
-          player.start(codec);
-          jobsState.streamed = true;
-        }
-      }
-      if (player) player.push(bytes);
+    const sink = new VideoSink();
+    let opened = false;
+    socket.onopen = () => {
+      opened = true;
+      jobsState.videoTransport = "websocket";
     };
-    socket.onerror = () => reject(new Error("the job's stream could not be opened"));
-    socket.onclose = () => resolve();
+    socket.onmessage = (message) => {
+      if (typeof message.data !== "string") return sink.push(new Uint8Array(message.data));
+      const event = JSON.parse(message.data);
+      onEvent(event);
+      if (event.type === "completed") sink.end();
+    };
+    socket.onclose = () => (opened ? resolve() : followVideoOverHttp(jobId).then(resolve, reject));
     controller.signal.addEventListener("abort", () => socket.close());
   });
+}
+
+// The same over HTTP: SSE for the events, the chunked GET /v1/jobs/{id}/stream for the bytes.
+async function followVideoOverHttp(jobId) {
+  jobsState.videoTransport = "http";
+  const sink = new VideoSink();
+  const events = followEvents(`/v1/jobs/${jobId}/events`, onEvent, controller.signal);
+  const reader = await readStream(`/v1/jobs/${jobId}/stream`, controller.signal);
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    sink.push(value);
+  }
+  sink.end();
+  await events;
 }

@@ -21,9 +21,13 @@ export const talkState = {
   audioBytesReceived: 0,
   buffersScheduled: 0,
   secondsScheduled: 0,
+  secondsScheduledByItem: {}, // assistant item id -> seconds of its audio scheduled
   underruns: 0,
   speechStarted: 0,
   truncatesSent: 0,
+  truncations: [], // {item_id, audio_end_ms, scheduled_ms} of each conversation.item.truncate sent
+  truncated: [], // the same, as the server's conversation.item.truncated confirms them
+  responseStatuses: [], // each response.done's status: completed, cancelled, incomplete, ...
   responsesDone: 0,
   transcript: "", // the assistant's spoken words, every turn, from the deltas
   transcriptsDone: [], // each answer's whole transcript, as the server's *.done event states it
@@ -75,6 +79,8 @@ class Player {
       at += buffer.duration;
       talkState.buffersScheduled++;
       talkState.secondsScheduled += buffer.duration;
+      const byItem = talkState.secondsScheduledByItem;
+      byItem[this.itemId] = (byItem[this.itemId] || 0) + buffer.duration;
     }
     this.endAt = at;
     this.pending = [];
@@ -122,6 +128,7 @@ class TalkSession {
     this.socket = null;
     this.player = null;
     this.playingResponse = null;
+    this.answering = false; // between response.created and response.done
     this.dropResponse = null; // a response interrupted by the user: its late deltas are ignored
     this.turns = new Map(); // item id -> transcript <li>
   }
@@ -133,7 +140,7 @@ class TalkSession {
       audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
     });
     this.player = new Player(this.context);
-    this.socket = openSocket(`/v1/realtime?model=${encodeURIComponent(this.model)}`);
+    this.socket = openSocket(`/v1/realtime?model=${encodeURIComponent(this.model)}`, { keyAs: "subprotocol" });
     this.socket.onopen = () => this.configure();
     this.socket.onmessage = (message) => this.onServerEvent(JSON.parse(message.data));
     this.socket.onerror = () => setStatus("the realtime connection failed");
@@ -201,10 +208,16 @@ class TalkSession {
       case "conversation.item.created":
         if (event.item && event.item.role === "user") this.turn(event.item.id, "user", "(speech)");
         break;
+      case "conversation.item.truncated":
+        talkState.truncated.push({ item_id: event.item_id, audio_end_ms: event.audio_end_ms });
+        break;
       case "conversation.item.input_audio_transcription.completed":
         this.turn(event.item_id, "user", "").textContent = event.transcript;
         break;
       case "response.created":
+        this.answering = true;
+        if (!this.player.isAudible()) this.player.reset(); // the last answer is over: not this one's audio
+
         setStatus("answering");
         break;
       case "response.output_audio.delta":
@@ -231,7 +244,9 @@ class TalkSession {
         if (event.response_id !== this.dropResponse) talkState.transcriptsDone.push(event.text);
         break;
       case "response.done":
+        this.answering = false;
         talkState.responsesDone++;
+        talkState.responseStatuses.push(event.response && event.response.status);
         if (this.player) this.player.finish();
         setStatus(`listening (last answer ${event.response && event.response.status})`);
         break;
@@ -247,13 +262,16 @@ class TalkSession {
     this.player.push(itemId, bytes);
   }
 
-  // The user spoke over the answer: silence it now and tell the server how much was heard.
+  // The user spoke over the answer (still playing, or still coming): silence it now and tell
+  // the server how much of it was heard.
   interrupt() {
     const player = this.player;
-    if (!player || !player.itemId || !player.isAudible()) return;
+    if (!player || !player.itemId || !(this.answering || player.isAudible())) return;
     const heard = player.playedMs();
     this.send({ type: "conversation.item.truncate", item_id: player.itemId, content_index: 0, audio_end_ms: heard });
     talkState.truncatesSent++;
+    const scheduledMs = (talkState.secondsScheduledByItem[player.itemId] || 0) * 1000;
+    talkState.truncations.push({ item_id: player.itemId, audio_end_ms: heard, scheduled_ms: scheduledMs });
     const li = this.turns.get(player.itemId);
     if (li) li.classList.add("interrupted");
     this.dropResponse = this.playingResponse;

@@ -1,5 +1,6 @@
 """Headless Chromium (Debian's chromium + chromedriver, driven by selenium) on the demo page
-of a live `omnistage serve`, with a fake microphone fed from a speech file.
+of one live `omnistage serve tiny-image tiny-video tiny-omni` that requires an API key (so
+every test also covers how the page sends it), with a fake microphone fed from a speech file.
 
 Set OMNISTAGE_DEMO_SCREENSHOTS=DIR to have the tests save each tab's screenshot there
 (docs/img holds the committed ones: demo-talk.png, demo-jobs.png)."""
@@ -20,6 +21,8 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 SPEECH = Path(__file__).parent.parent / "fixtures" / "speech-browser.wav"
 SCREENSHOTS_ENV = "OMNISTAGE_DEMO_SCREENSHOTS"
+API_KEY = "sk-browser-demo-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 FLAGS = [
     "--headless=new",
@@ -97,9 +100,18 @@ def wait_for(driver, expression: str, timeout: float, what: str):
     )
 
 
-def open_demo(driver, server: ServerProcess, tab: str) -> None:
+def open_demo(driver, server: ServerProcess, tab: str, key: str | None = API_KEY) -> None:
+    """Open the page on `tab`; with `key`, type it into the page's API key field (the page
+    then reloads with it) and wait until the pickers are filled."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
     driver.get(f"{server.url}/#{tab}")
     wait_for(driver, "window.demo && (window.demo.ready || window.demo.error)", 30, "the page set up")
+    if key is not None:
+        driver.execute_script("window.beforeKey = true;")  # gone once the page has reloaded
+        driver.find_element(By.ID, "api-key").send_keys(key, Keys.TAB)  # change -> reload
+        wait_for(driver, "!window.beforeKey && window.demo && window.demo.ready", 30, "the page set up with the key")
     assert page_state(driver, "window.demo.error") is None, page_state(driver, "window.demo.error")
 
 
@@ -110,22 +122,14 @@ def save_screenshot(driver, name: str) -> None:
         driver.save_screenshot(str(Path(directory) / name))
 
 
-def serve(tmp_path_factory, args: list[str]) -> Iterator[ServerProcess]:
-    _require_chromium()  # before minutes of loading pipelines the test could not use
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    _require_chromium()  # before minutes of loading pipelines the tests could not use
     log_path = tmp_path_factory.mktemp("serve-browser") / "server.log"
-    server = start_server(args, log_path)  # its jobs live in that temporary folder
+    # its jobs live in that temporary folder (the server's working directory)
+    server = start_server(["tiny-image", "tiny-video", "tiny-omni", "--api-key", API_KEY], log_path)
     try:
         server.wait_ready(timeout=300)
         yield server
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def media_server(tmp_path_factory):
-    yield from serve(tmp_path_factory, ["tiny-image", "tiny-video"])
-
-
-@pytest.fixture(scope="module")
-def omni_server(tmp_path_factory):
-    yield from serve(tmp_path_factory, ["tiny-omni"])

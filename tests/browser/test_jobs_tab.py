@@ -1,6 +1,7 @@
 """The demo's "Images & video" tab in headless Chromium against a live server: the page runs a
 job through /v1/jobs, follows its events to 100 %, and shows the result. Judges: the same
-job's events read with httpx, its output file decoded with Pillow / PyAV."""
+job's events read with httpx, its output file decoded with Pillow / PyAV. The server wants an
+API key: the page sends it as a header, and on the video's websocket as `?api_key=`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ import httpx
 import pytest
 from PIL import Image
 
-from omnistage.tests.browser.conftest import open_demo, page_state, save_screenshot, wait_for
+from omnistage.tests.browser.conftest import AUTH, open_demo, page_state, save_screenshot, wait_for
 
 pytestmark = pytest.mark.timeout(600)
+
+
+FINISHED_IMAGE = (
+    "(window.demo.jobs.imageSize && window.demo.jobs.status === 'completed')"
+    " || /^(failed|canceled|error)/.test(window.demo.jobs.status)"
+)
 
 
 def fill_job_form(driver, model: str, **fields) -> None:
@@ -30,7 +37,7 @@ def fill_job_form(driver, model: str, **fields) -> None:
 
 def sse_event_types(base_url: str, job_id: str) -> list[str]:
     types = []
-    with httpx.stream("GET", f"{base_url}/v1/jobs/{job_id}/events", timeout=60) as response:
+    with httpx.stream("GET", f"{base_url}/v1/jobs/{job_id}/events", headers=AUTH, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
                 types.append(json.loads(line[5:])["type"])
@@ -52,44 +59,46 @@ def shown_image_pixels(driver) -> list[int]:
     )
 
 
-def test_image_job_reaches_100_percent_and_shows_the_image(media_server, open_browser):
+def test_image_job_reaches_100_percent_and_shows_the_image(demo_server, open_browser):
     driver = open_browser()
-    open_demo(driver, media_server, "jobs")
+    open_demo(driver, demo_server, "jobs")
     fill_job_form(driver, "tiny-image", prompt="a green pyramid", width=64, height=48, steps=6, seed=3)
-    wait_for(driver, "window.demo.jobs.status.startsWith('completed') && window.demo.jobs.imageSize", 300, "the image")
+    wait_for(driver, FINISHED_IMAGE, 300, "the image")
     state = page_state(driver, "window.demo.jobs")
     save_screenshot(driver, "demo-jobs.png")
 
-    assert state["error"] is None
+    assert state["error"] is None and state["status"] == "completed"
     assert state["percent"] == 100
     assert page_state(driver, "document.getElementById('job-progress').value") == 100
     # the page saw the job's whole event log, as an independent SSE client reads it afterwards
-    assert state["events"] == sse_event_types(media_server.url, state["jobId"])
+    assert state["events"] == sse_event_types(demo_server.url, state["jobId"])
     assert state["progressEvents"] == state["events"].count("progress") >= 1
 
-    job = httpx.get(f"{media_server.url}/v1/jobs/{state['jobId']}").json()
+    job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
     assert job["status"] == "completed"
     (file,) = job["outputs"]["image"]["files"]
     assert state["imageUrl"] == file["url"]
-    png = Image.open(io.BytesIO(httpx.get(media_server.url + file["url"]).content)).convert("RGBA")
+    png = Image.open(io.BytesIO(httpx.get(demo_server.url + file["url"], headers=AUTH).content)).convert("RGBA")
     assert state["imageSize"] == [64, 48] == list(png.size)
     assert shown_image_pixels(driver) == list(png.tobytes())
 
 
-def test_video_job_plays_from_its_stream(media_server, open_browser):
+def test_video_job_plays_from_its_stream(demo_server, open_browser):
     av = pytest.importorskip("av")
     driver = open_browser()
-    open_demo(driver, media_server, "jobs")
+    open_demo(driver, demo_server, "jobs")
     fill_job_form(driver, "tiny-video", prompt="waves", width=32, height=32, steps=3, frames=17, seed=2)
-    wait_for(driver, "window.demo.jobs.status.startsWith('completed')", 300, "the video job")
+    wait_for(driver, "/^(completed|failed|canceled|error)/.test(window.demo.jobs.status)", 300, "the video job")
     wait_for(driver, "document.getElementById('job-video').readyState >= 1", 30, "the video's metadata")
     state = page_state(driver, "window.demo.jobs")
 
-    assert state["error"] is None and state["percent"] == 100
+    assert state["error"] is None and state["status"] == "completed" and state["percent"] == 100
     assert state["streamed"], "the page did not play the fMP4 stream through Media Source Extensions"
-    job = httpx.get(f"{media_server.url}/v1/jobs/{state['jobId']}").json()
+    # a keyed browser can open the job's websocket (the key rides as ?api_key=)
+    assert state["videoTransport"] == "websocket", "WS /v1/jobs/{id}/stream refused the page's ?api_key="
+    job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
     (file,) = job["outputs"]["video"]["files"]
-    mp4 = httpx.get(media_server.url + file["url"]).content
+    mp4 = httpx.get(demo_server.url + file["url"], headers=AUTH).content
     # the SourceBuffer took the stream's segments, which concatenated are the job's file
     assert state["segments"] >= 1
     assert state["bytesAppended"] == len(mp4)

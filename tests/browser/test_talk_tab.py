@@ -1,12 +1,20 @@
-"""The demo's "Talk" tab in headless Chromium against a live `omnistage serve tiny-omni`: a
-fake microphone plays a spoken sentence once (tests/fixtures/speech-browser.wav, espeak-ng),
-the page streams it over WS /v1/realtime, the server's VAD (silero) finds the turn, and the
-answer's audio and transcript come back and are scheduled for playback.
+"""The demo's "Talk" tab in headless Chromium against a live server on tiny-omni (with an API
+key, which the page sends as the `openai-insecure-api-key.KEY` subprotocol).
 
-Judges: silero in the server hears speech in what the page sent; the AudioContext clock
-times the page's 24 kHz output; the server's *.done events state the whole transcript."""
+A spoken turn: Chromium's fake microphone plays tests/fixtures/speech-browser.wav once
+(espeak-ng); the page streams it over WS /v1/realtime, the server's VAD (silero) finds the
+turn, and the answer's audio and transcript come back and are scheduled for playback.
+Judges: silero in the server hears speech in what the page sent; the AudioContext clock times
+the page's 24 kHz output; the server's *.done events state the whole transcript.
+
+Barge-in: a microphone the test controls (the same sentence, played into a MediaStream the
+page gets from getUserMedia) speaks again as soon as the answer starts playing; the server
+must confirm the page's truncation and end the answer `cancelled`.
+"""
 
 from __future__ import annotations
+
+import base64
 
 import pytest
 
@@ -16,17 +24,24 @@ pytestmark = pytest.mark.timeout(600)
 
 RATE = 24000
 FRAME_BYTES = 480 * 2  # 20 ms of pcm16 at 24 kHz
+# the page reports an error or a closed socket: no point waiting for an answer
+GAVE_UP = "window.demo.talk.errors.length || window.demo.talk.status.startsWith('closed')"
+LEADING_SILENCE_S = 0.3  # of speech-browser.wav; the controlled microphone skips it
 
 
-def test_spoken_turn_is_answered_with_audio_and_transcript(omni_server, open_browser):
+def start_talking(driver) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    driver = open_browser(fake_audio=SPEECH)
-    open_demo(driver, omni_server, "talk")
     Select(driver.find_element(By.ID, "talk-model")).select_by_value("tiny-omni")
     driver.find_element(By.ID, "talk-start").click()
-    wait_for(driver, "window.demo.talk.responsesDone >= 1", 300, "a spoken answer")
+
+
+def test_spoken_turn_is_answered_with_audio_and_transcript(demo_server, open_browser):
+    driver = open_browser(fake_audio=SPEECH)
+    open_demo(driver, demo_server, "talk")
+    start_talking(driver)
+    wait_for(driver, f"window.demo.talk.responsesDone >= 1 || {GAVE_UP}", 300, "an answer")
     state = page_state(driver, "window.demo.talk")
     save_screenshot(driver, "demo-talk.png")
     events = state["events"]
@@ -52,3 +67,64 @@ def test_spoken_turn_is_answered_with_audio_and_transcript(omni_server, open_bro
     assert state["transcript"] and state["transcript"] == "".join(state["transcriptsDone"])
     shown = page_state(driver, "[...document.querySelectorAll('#transcript li.assistant')].map(li => li.textContent)")
     assert "".join(shown) == state["transcript"]
+
+
+# A microphone the test controls: getUserMedia gives the page a MediaStream that carries the
+# speech clip each time testMic.speak() plays it, and silence in between. It speaks again
+# by itself as soon as the page has scheduled the first audio of an answer.
+CONTROLLED_MICROPHONE = """
+const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+const skip = arguments[1];
+const context = new AudioContext();
+const out = context.createMediaStreamDestination();
+const mic = (window.testMic = { clip: null, spoken: 0 });
+context.decodeAudioData(bytes.buffer).then((clip) => (mic.clip = clip));
+mic.speak = () => {
+  const source = context.createBufferSource();
+  source.buffer = mic.clip;
+  source.connect(out);
+  source.start(0, skip);
+  mic.spoken++;
+};
+navigator.mediaDevices.getUserMedia = async () => out.stream;
+const watch = setInterval(() => {
+  if (mic.spoken === 1 && window.demo.talk.buffersScheduled >= 1) {
+    mic.speak();
+    clearInterval(watch);
+  }
+}, 5);
+"""
+
+
+def test_speaking_over_the_answer_interrupts_it(demo_server, open_browser):
+    driver = open_browser()
+    open_demo(driver, demo_server, "talk")
+    clip = base64.b64encode(SPEECH.read_bytes()).decode()
+    driver.execute_script(CONTROLLED_MICROPHONE, clip, LEADING_SILENCE_S)
+    wait_for(driver, "window.testMic.clip", 10, "the clip decoded")
+    start_talking(driver)
+    wait_for(driver, "window.demo.talk.events['session.updated']", 60, "the session configured")
+    driver.execute_script("window.testMic.speak();")
+    wait_for(
+        driver,
+        "(window.demo.talk.truncated.length >= 1 && window.demo.talk.responseStatuses.includes('cancelled'))"
+        f" || {GAVE_UP}",
+        300,
+        "the answer interrupted",
+    )
+    state = page_state(driver, "window.demo.talk")
+    assert state["errors"] == [], state
+    assert page_state(driver, "window.testMic.spoken") == 2
+
+    # The server confirms the truncation the page sent: the item and the milliseconds heard.
+    (sent,) = state["truncations"]
+    (confirmed,) = state["truncated"]
+    assert confirmed["item_id"] == sent["item_id"]
+    assert confirmed["audio_end_ms"] == sent["audio_end_ms"]
+    # what was heard is a part of what had been scheduled when the user spoke...
+    assert 0 < sent["audio_end_ms"] <= sent["scheduled_ms"]
+    # ... and nothing more of that answer was scheduled after it
+    assert state["secondsScheduledByItem"][sent["item_id"]] * 1000 == pytest.approx(sent["scheduled_ms"])
+    assert state["responseStatuses"][0] == "cancelled"
+    interrupted = page_state(driver, "[...document.querySelectorAll('#transcript li.interrupted')].length")
+    assert interrupted == 1
