@@ -71,7 +71,8 @@ class ModelNotFoundError(NotFoundError):
 
 
 def omnistage_error_response(err: OmnistageError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if err.status == 503 else None
+    retry_after = getattr(err, "retry_after", None)  # an error that knows when to come back says so
+    headers = {"Retry-After": str(retry_after or 1)} if retry_after or err.status == 503 else None
     return error_response(
         str(err) or err.__class__.__name__,
         status=err.status,

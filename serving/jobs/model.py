@@ -51,6 +51,17 @@ class Job:
     expires_at: float | None = None
     cancel_requested: bool = False
     api: str = "jobs"  # the API that created it: "jobs" or "videos"
+    owner: str | None = None  # digest of the API key that created it (None: an open server)
+
+
+@dataclass
+class Admitted:
+    """What the store made of one submitted job, decided in the transaction that stored it."""
+
+    job: Job
+    created: bool  # False: the idempotency key was used before, `job` is that earlier job
+    queue_position: int | None = None  # for a created job: queued jobs of its model ahead of it
+    refused: str | None = None  # the owner's queue is full: the job was not stored
 
 
 @dataclass
@@ -97,10 +108,14 @@ class JobsConfig:
     webhook_timeout_s: float = 10.0
     webhook_allow: tuple[str, ...] = ()  # networks (CIDR) a webhook may reach though private
     sweep_interval_s: float = 60.0
+    max_queued_per_key: int | None = None  # queued jobs one API key may have (None: no limit)
+    db_url: str | None = None  # postgresql+psycopg://...: a store shared by several servers
 
     def __post_init__(self) -> None:
         if self.on_interrupt not in ("rerun", "fail"):
             raise ValueError(f"on_interrupt must be 'rerun' or 'fail', not {self.on_interrupt!r}")
+        if self.max_queued_per_key is not None and self.max_queued_per_key < 1:
+            raise ValueError("max_queued_per_key must be at least 1")
         if self.max_running_per_model < 1:
             raise ValueError("max_running_per_model must be at least 1")
         for secret in self.webhook_secrets:
@@ -133,4 +148,8 @@ class JobsConfig:
             webhook_timeout_s=_env_float("OMNISTAGE_WEBHOOK_TIMEOUT_S", 10.0),
             webhook_allow=tuple(s for s in env.get("OMNISTAGE_WEBHOOK_ALLOW", "").split(",") if s),
             sweep_interval_s=_env_float("OMNISTAGE_JOBS_SWEEP_S", 60.0),
+            max_queued_per_key=int(env["OMNISTAGE_JOBS_MAX_QUEUED_PER_KEY"])
+            if env.get("OMNISTAGE_JOBS_MAX_QUEUED_PER_KEY")
+            else None,
+            db_url=env.get("OMNISTAGE_JOBS_DB") or None,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import OmnistageError
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("omnistage.jobs")
 
 IDLE_POLL_S = 0.5  # with nothing to start, how often the store is looked at anyway
+LEASE_S = 20.0  # a running job stays this server's this long past its last renewal
+RENEW_S = 2.0  # how often leases are renewed (and cancels asked on another server are seen)
 
 
 class Scheduler:
@@ -41,8 +44,12 @@ class Scheduler:
 
     async def run(self) -> None:
         self._models: dict[str, str] = {}
+        renewed = time.monotonic()
         while True:
             self._start_what_fits()
+            if time.monotonic() - renewed >= RENEW_S:
+                renewed = time.monotonic()
+                await self._renew()
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
@@ -59,11 +66,19 @@ class Scheduler:
             room = limit - self.running_for(model)
             if room <= 0:
                 continue
-            for job in store.claim_queued(model, room):
+            for job in store.claim_queued(model, room, self.service.runner, time.time() + LEASE_S):
                 self._models[job.id] = model
                 task = asyncio.create_task(self._run_job(job, entry.pipeline), name=f"job-{job.id}")
                 self.running[job.id] = task
                 task.add_done_callback(lambda _t, job_id=job.id: self._finished(job_id))
+
+    async def _renew(self) -> None:
+        """Keep this server's claim on its running jobs; cancel those a client canceled through
+        another server sharing the store."""
+        store = self.service.store
+        canceled = await asyncio.to_thread(store.renew_leases, self.service.runner, time.time() + LEASE_S)
+        for job_id in canceled:
+            self.cancel(job_id)
 
     def _finished(self, job_id: str) -> None:
         self.running.pop(job_id, None)

@@ -10,25 +10,40 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import os
+import socket
 import time
 import uuid
 from typing import Any
 
 from omnistage.errors import InvalidRequestError, NotFoundError, OmnistageError
 from omnistage.serving.errors import ModelNotFoundError
+from omnistage.serving.jobs.admission import SubmitBatcher
 from omnistage.serving.jobs.model import DEFAULT_WEBHOOK_EVENTS, WEBHOOK_EVENTS, Job, JobsConfig, JobStatus
 from omnistage.serving.jobs.outputs import delete_outputs, output_formats
 from omnistage.serving.jobs.scheduler import Scheduler
-from omnistage.serving.jobs.ssrf import check_destination, parse_allow_list
-from omnistage.serving.jobs.store import JobStore, SQLiteJobStore
+from omnistage.serving.jobs.ssrf import check_destination, needs_lookup, parse_allow_list
+from omnistage.serving.jobs.store import JobStore, open_store
 from omnistage.serving.jobs.webhooks import WebhookSender
 
 log = logging.getLogger("omnistage.jobs")
+
+QUEUE_FULL_RETRY_S = 5  # Retry-After of a 429 for a full per-key queue
 
 
 class JobConflictError(OmnistageError):
     status = 409
     code = "job_finished"
+
+
+class JobQueueFullError(OmnistageError):
+    status = 429
+    code = "job_queue_full"
+
+    def __init__(self, limit: int):
+        super().__init__(f"This API key already has {limit} queued jobs (the per-key limit); retry later.")
+        self.retry_after = QUEUE_FULL_RETRY_S
 
 
 class JobNotFoundError(NotFoundError):
@@ -43,19 +58,21 @@ class JobService:
     def __init__(self, registry: Any, config: JobsConfig, store: JobStore | None = None):
         self.registry = registry
         self.config = config
-        self.store = store if store is not None else SQLiteJobStore(config.db_path)
+        self.store = store if store is not None else open_store(config.db_url, config.db_path)
         self.allow = parse_allow_list(config.webhook_allow)
         self.scheduler = Scheduler(self)
         self.sender = WebhookSender(self.store, config)
+        self.admission = SubmitBatcher(self.store, config.max_queued_per_key)
         self.changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
+        self.runner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this server, in leases
         self.stopping = False  # set by stop(): running jobs go back to the queue, not to canceled
 
     # -- lifetime -----------------------------------------------------------------------------------
     async def start(self) -> None:
         self.config.outputs_dir.mkdir(parents=True, exist_ok=True)
         self.recover()
-        for coro in (self.scheduler.run(), self.sender.run(), self._sweep()):
+        for coro in (self.admission.run(), self.scheduler.run(), self.sender.run(), self._sweep()):
             self._tasks.append(asyncio.create_task(coro))
 
     async def stop(self) -> None:
@@ -65,9 +82,10 @@ class JobService:
         await asyncio.gather(*self._tasks, *self.scheduler.running.values(), return_exceptions=True)
         self.store.close()
 
-    def recover(self) -> None:
-        """Jobs the last server left in_progress (it died): queue them again or fail them."""
-        for job in self.store.interrupted_jobs():
+    def recover(self, now: float = math.inf) -> None:
+        """Jobs a dead server left in_progress: queue them again or fail them. `now`: only those
+        whose runner's lease ended before it (a shared store; inf: every one, at a lone start)."""
+        for job in self.store.interrupted_jobs(now):
             if self.config.on_interrupt == "rerun":
                 log.info("job %s was interrupted; running it again", job.id)
                 self.emit(job.id, "queued", {"reason": "interrupted"}, webhook=False,
@@ -78,33 +96,39 @@ class JobService:
 
     async def _sweep(self) -> None:
         while True:
+            if self.store.shared:  # another server may have died with jobs running
+                self.recover(time.time())
             for job in await asyncio.to_thread(self.store.expired_jobs, time.time()):
                 await asyncio.to_thread(delete_outputs, self.config.outputs_dir, job.id)
                 await asyncio.to_thread(self.store.delete_job, job.id)
             await asyncio.sleep(self.config.sweep_interval_s)
 
     # -- requests -----------------------------------------------------------------------------------
-    def submit(self, *, model: str, inputs: dict, params: dict, webhook: dict | None, metadata: dict,
-               priority: int, output_format: dict, idempotency_key: str | None,
-               api: str = "jobs") -> tuple[Job, bool]:  # fmt: skip
-        """Validate and store a job; an idempotency key seen before returns that job (and False)."""
-        if idempotency_key is not None:
-            existing = self.store.job_by_key(idempotency_key)
-            if existing is not None:
-                return existing, False
+    async def submit(self, *, model: str, inputs: dict, params: dict, webhook: dict | None, metadata: dict,
+                     priority: int, output_format: dict, idempotency_key: str | None,
+                     api: str = "jobs", owner: str | None = None) -> tuple[Job, bool, dict]:  # fmt: skip
+        """Validate and store a job; an idempotency key seen before returns that job (and False).
+        Returns (job, created, its JSON shape). Concurrent submissions share one transaction."""
         self._check_inputs(model, inputs, output_format)
         if webhook is not None:
             webhook = self._check_webhook(webhook)
+            if needs_lookup(webhook["url"]):  # DNS never runs on the event loop
+                await asyncio.to_thread(check_destination, webhook["url"], self.allow)
+            else:
+                check_destination(webhook["url"], self.allow)
         job = Job(
             id=f"job_{uuid.uuid4().hex}", model=model, inputs=inputs, params=params, priority=priority,
             metadata=metadata, webhook=webhook, output_format=output_format, idempotency_key=idempotency_key,
-            api=api,
+            api=api, owner=owner,
         )  # fmt: skip
-        job, created = self.store.create_job(job)
-        if created:
-            self.scheduler.wake.set()
-            self.notify()
-        return job, created
+        admitted = await self.admission.submit(job)
+        if admitted.refused is not None:
+            raise JobQueueFullError(self.config.max_queued_per_key or 0)
+        if not admitted.created:
+            return admitted.job, False, self.job_json(admitted.job)
+        self.scheduler.wake.set()
+        self.notify()
+        return admitted.job, True, self.job_json(admitted.job, queue_position=admitted.queue_position, attempts=[])
 
     def _check_inputs(self, model: str, inputs: dict, output_format: dict) -> None:
         from omnistage.serving.routes.pipelines import _to_inputs
@@ -133,24 +157,25 @@ class JobService:
                 "this server has no webhook signing secret (OMNISTAGE_WEBHOOK_SECRETS); give webhook.secret",
                 param="webhook.secret",
             )
-        check_destination(webhook["url"], self.allow)
         return {"url": webhook["url"], "events": list(events), "secret": secret}
 
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str, owner: str | None = None) -> Job:
+        """The job; another key's job is as absent as an unknown one (`owner` None: any job)."""
         job = self.store.get_job(job_id)
-        if job is None:
+        if job is None or (owner is not None and job.owner != owner):
             raise JobNotFoundError(job_id)
         return job
 
-    def cancel(self, job_id: str) -> Job:
-        job = self.get(job_id)
+    def cancel(self, job_id: str, owner: str | None = None) -> Job:
+        job = self.get(job_id, owner)
         if job.status.finished:
             raise JobConflictError(f"job {job_id} is already {job.status.value}; only queued or running jobs cancel")
         self.store.update_job(job_id, cancel_requested=True)
         if job.status is JobStatus.QUEUED:
             self.finish(job_id, JobStatus.CANCELED)
-        elif not self.scheduler.cancel(job_id):  # in_progress but not ours: a rerun after restart
-            self.finish(job_id, JobStatus.CANCELED)
+        elif not self.scheduler.cancel(job_id) and not self.store.shared:
+            self.finish(job_id, JobStatus.CANCELED)  # in_progress but no task: a rerun after restart
+        # on a shared store the server running it sees cancel_requested when it renews its lease
         return self.get(job_id)
 
     # -- events -------------------------------------------------------------------------------------
@@ -204,7 +229,8 @@ class JobService:
             for f in record["files"]
         ]
 
-    def job_json(self, job: Job) -> dict[str, Any]:
+    def job_json(self, job: Job, *, queue_position: int | None = None, attempts: list | None = None) -> dict[str, Any]:
+        """The job's public shape. `queue_position`, `attempts`: already known (a fresh job)."""
         outputs = {}
         for port, value in job.outputs.items():
             is_files = isinstance(value, dict) and "files" in value
@@ -221,7 +247,11 @@ class JobService:
                 if job.status is JobStatus.COMPLETED
                 else _percent(job.progress_done, job.progress_total),
             },
-            "queue_position": self.store.queue_position(job) if job.status is JobStatus.QUEUED else None,
+            "queue_position": None
+            if job.status is not JobStatus.QUEUED
+            else queue_position
+            if queue_position is not None
+            else self.store.queue_position(job),
             "priority": job.priority,
             "created_at": job.created_at,
             "started_at": job.started_at,
@@ -236,7 +266,7 @@ class JobService:
             out["webhook"] = {
                 "url": job.webhook["url"],
                 "events": job.webhook["events"],
-                "attempts": self.store.attempts_for_job(job.id),
+                "attempts": self.store.attempts_for_job(job.id) if attempts is None else attempts,
             }
         return out
 

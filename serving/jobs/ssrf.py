@@ -43,6 +43,16 @@ def _is_internal(address: ipaddress._BaseAddress) -> bool:
     )
 
 
+def needs_lookup(url: str) -> bool:
+    """True when checking `url` asks DNS (its host is a name, not an address): a caller on an
+    event loop runs that check in a thread."""
+    try:
+        ipaddress.ip_address((urlsplit(url).hostname or "").split("%")[0])
+    except ValueError:
+        return True
+    return False
+
+
 def check_destination(url: str, allow: list[ipaddress._BaseNetwork]) -> None:
     """Raise UnsafeDestinationError (400, param webhook.url) unless `url` may be called."""
     parts = urlsplit(url)

@@ -32,6 +32,7 @@ log = logging.getLogger("omnistage.jobs")
 
 POLL_S = 0.5  # the loop's longest sleep when nothing is due (new messages wake it sooner)
 BATCH = 32
+CLAIM_MARGIN_S = 30.0  # a claimed message's lease: the request timeout plus this
 
 
 def sign(secret: str, msg_id: str, timestamp: int, body: str) -> str:
@@ -78,7 +79,8 @@ class WebhookSender:
         self._client = httpx.AsyncClient(follow_redirects=False, timeout=self.config.webhook_timeout_s)
         try:
             while True:
-                due = await asyncio.to_thread(self.store.due_deliveries, time.time(), BATCH)
+                lease = self.config.webhook_timeout_s + CLAIM_MARGIN_S
+                due = await asyncio.to_thread(self.store.claim_deliveries, time.time(), BATCH, lease)
                 if due:
                     by_url: dict[str, list[Delivery]] = {}
                     for delivery in due:
@@ -101,8 +103,11 @@ class WebhookSender:
     async def _deliver_in_order(self, deliveries: list[Delivery]) -> None:
         """One endpoint's messages one after another, oldest first; a failure stops the rest
         until the next round (a 410 has disabled them by then)."""
-        for delivery in deliveries:
+        for index, delivery in enumerate(deliveries):
             if not await self._deliver(delivery):
+                rest = [d.id for d in deliveries[index + 1 :]]
+                if rest:  # back to the outbox for the next round, not held until their lease ends
+                    await asyncio.to_thread(self.store.release_deliveries, rest)
                 return
 
     async def _deliver(self, delivery: Delivery) -> bool:

@@ -33,6 +33,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.serving.errors import ServiceUnavailableError
 from omnistage.serving.jobs.model import Job, JobsConfig, JobStatus
 from omnistage.serving.jobs.outputs import output_formats, output_path
+from omnistage.serving.jobs.owners import owner_of
 from omnistage.serving.jobs.service import JobNotFoundError, JobService
 from omnistage.streaming.sse import SSE_HEADERS, SSE_MEDIA_TYPE, sse_comment, sse_event
 
@@ -104,7 +105,7 @@ async def create_job(
     body: JobCreate, request: Request, idempotency_key: str | None = Header(default=None, alias="Idempotency-Key")
 ):
     service = jobs_service(request)
-    job, created = service.submit(
+    job, created, shape = await service.submit(
         model=body.model,
         inputs=body.inputs,
         params=body.params,
@@ -113,11 +114,12 @@ async def create_job(
         priority=body.priority,
         output_format=body.output_format,
         idempotency_key=idempotency_key,
+        owner=owner_of(request),
     )
     headers = {"Location": f"/v1/jobs/{job.id}"}
     if not created:
         headers["Idempotent-Replayed"] = "true"
-    return JSONResponse(service.job_json(job), status_code=202, headers=headers)
+    return JSONResponse(shape, status_code=202, headers=headers)
 
 
 @router.get("/v1/jobs")
@@ -128,30 +130,30 @@ async def list_jobs(
     model: str | None = None,
 ) -> dict:
     service = jobs_service(request)
-    jobs = service.store.list_jobs(limit + 1, after=after, model=model)
+    jobs = service.store.list_jobs(limit + 1, after=after, model=model, owner=owner_of(request))
     return {"object": "list", "data": [service.job_json(j) for j in jobs[:limit]], "has_more": len(jobs) > limit}
 
 
 @router.get("/v1/jobs/{job_id}")
 async def retrieve_job(job_id: str, request: Request) -> dict:
     service = jobs_service(request)
-    return service.job_json(service.get(job_id))
+    return service.job_json(service.get(job_id, owner_of(request)))
 
 
 @router.delete("/v1/jobs/{job_id}")
 async def cancel_job(job_id: str, request: Request) -> dict:
     service = jobs_service(request)
-    service.cancel(job_id)
+    service.cancel(job_id, owner_of(request))
     task = service.scheduler.running.get(job_id)
     if task is not None:
         await asyncio.wait({task}, timeout=CANCEL_WAIT_S)
-    return service.job_json(service.get(job_id))
+    return service.job_json(service.get(job_id, owner_of(request)))
 
 
 @router.get("/v1/jobs/{job_id}/outputs/{name}")
 async def job_output(job_id: str, name: str, request: Request):
     service = jobs_service(request)
-    job = service.get(job_id)
+    job = service.get(job_id, owner_of(request))
     path = output_path(service.config.outputs_dir, job.id, name)
     media_type = next(
         (
@@ -173,7 +175,7 @@ async def job_events(
     job_id: str, request: Request, last_event_id: str | None = Header(default=None, alias="Last-Event-ID")
 ):
     service = jobs_service(request)
-    service.get(job_id)
+    service.get(job_id, owner_of(request))
     try:
         after = int(last_event_id) if last_event_id else 0
     except ValueError:
@@ -207,7 +209,9 @@ async def job_events(
 async def job_stream(websocket: WebSocket, job_id: str):
     service = getattr(websocket.app.state, "jobs", None)
     job = service.store.get_job(job_id) if service is not None else None
-    if job is None:
+    owner = owner_of(websocket)
+    if job is not None and owner is not None and job.owner != owner:
+        job = None  # another key's job: as absent as an unknown one
         await websocket.close(code=1008, reason="jobs unavailable" if service is None else "job not found")
         return
     await websocket.accept()
@@ -254,7 +258,7 @@ async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> 
 @router.get("/v1/jobs/{job_id}/stream")
 async def job_stream_download(job_id: str, request: Request):
     service = jobs_service(request)
-    job = service.get(job_id)
+    job = service.get(job_id, owner_of(request))
     if not any(f.port_type == "video" and f.format == "mp4" for f in _formats(service, job).values()):
         raise InvalidRequestError(f"job {job_id} has no MP4 video output to stream", param="id")
 

@@ -23,6 +23,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.serving.errors import ModelNotFoundError
 from omnistage.serving.jobs.model import Job, JobStatus
 from omnistage.serving.jobs.outputs import delete_outputs, output_path
+from omnistage.serving.jobs.owners import owner_of
 from omnistage.serving.jobs.service import JobNotFoundError, JobService
 from omnistage.serving.media import DEFAULT_FPS
 from omnistage.serving.routes.jobs import jobs_service
@@ -108,8 +109,8 @@ def video_json(service: JobService, job: Job) -> dict[str, Any]:
     }
 
 
-def _video(service: JobService, video_id: str) -> Job:
-    job = service.get(video_id)
+def _video(service: JobService, video_id: str, request: Request) -> Job:
+    job = service.get(video_id, owner_of(request))
     if job.api != "videos":
         raise JobNotFoundError(video_id)
     return job
@@ -131,7 +132,7 @@ async def create_video(request: Request):
     from omnistage.stages.diffusion import stage_params
 
     generation = _generation(body.get("seconds"), body.get("size"))
-    job, _ = service.submit(
+    job, _, _ = await service.submit(
         model=name,
         inputs={"prompt": prompt},
         params=stage_params(spec, generation),
@@ -141,6 +142,7 @@ async def create_video(request: Request):
         output_format={port: "mp4"},
         idempotency_key=request.headers.get("idempotency-key"),
         api="videos",
+        owner=owner_of(request),
     )
     return JSONResponse(video_json(service, job))
 
@@ -148,7 +150,7 @@ async def create_video(request: Request):
 @router.get("/v1/videos")
 async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100), after: str | None = None):
     service = jobs_service(request)
-    jobs = service.store.list_jobs(limit + 1, after=after, api="videos")
+    jobs = service.store.list_jobs(limit + 1, after=after, api="videos", owner=owner_of(request))
     data = [video_json(service, j) for j in jobs[:limit]]
     return {
         "object": "list",
@@ -162,13 +164,13 @@ async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=
 @router.get("/v1/videos/{video_id}")
 async def retrieve_video(video_id: str, request: Request):
     service = jobs_service(request)
-    return video_json(service, _video(service, video_id))
+    return video_json(service, _video(service, video_id, request))
 
 
 @router.get("/v1/videos/{video_id}/content")
 async def video_content(video_id: str, request: Request, variant: str = "video"):
     service = jobs_service(request)
-    job = _video(service, video_id)
+    job = _video(service, video_id, request)
     if variant not in ("video", "thumbnail"):
         raise InvalidRequestError(f"variant must be video or thumbnail, not {variant!r}", param="variant")
     if job.status is not JobStatus.COMPLETED:
@@ -200,9 +202,9 @@ def _write_thumbnail(video: Any, thumb: Any) -> None:
 @router.delete("/v1/videos/{video_id}")
 async def delete_video(video_id: str, request: Request):
     service = jobs_service(request)
-    job = _video(service, video_id)
+    job = _video(service, video_id, request)
     if not job.status.finished:
-        service.cancel(video_id)
+        service.cancel(video_id, owner_of(request))
         task = service.scheduler.running.get(video_id)
         if task is not None:
             await asyncio.wait({task}, timeout=5.0)

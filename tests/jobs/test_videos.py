@@ -12,6 +12,7 @@ import openai
 import pytest
 from PIL import Image
 
+from omnistage.serving.jobs.schema import migration_statements
 from omnistage.serving.jobs.store import MIGRATIONS, SQLiteJobStore
 from omnistage.tests.jobs.conftest import jobs_env, start_jobs_server
 
@@ -74,7 +75,7 @@ def test_video_errors(video_server):
 def test_schema_version_1_database_migrates_to_the_current_one(tmp_path):
     path = tmp_path / "jobs.sqlite3"
     db = sqlite3.connect(path)
-    db.executescript(MIGRATIONS[0] + "\nPRAGMA user_version = 1;")
+    db.executescript(";\n".join(migration_statements("sqlite", 1)) + ";\nPRAGMA user_version = 1;")
     db.execute(
         "INSERT INTO jobs (id, model, status, priority, inputs, params, metadata, output_format, created_at) "
         "VALUES ('job_old', 'tiny-image', 'queued', 0, '{}', '{}', '{}', '{}', 1.0)"
@@ -83,7 +84,7 @@ def test_schema_version_1_database_migrates_to_the_current_one(tmp_path):
     db.close()
     store = SQLiteJobStore(path)
     try:
-        assert store.schema_version == len(MIGRATIONS) == 2
+        assert store.schema_version == len(MIGRATIONS) == 3
         job = store.get_job("job_old")
         assert job.api == "jobs" and job.status.value == "queued"
         assert store.list_jobs(10, api="videos") == []
