@@ -105,3 +105,14 @@ def idle(figures: dict[str, dict[str, float]]) -> bool:
         f.get("running", 0) == 0 and f.get("inflight", 0) == 0 and f.get("kv_blocks_free") == f.get("kv_blocks_total")
         for f in figures.values()
     )
+
+
+def request_outcomes(url: str) -> dict[str, float]:
+    """tiny-omni's pipeline requests by outcome (ok, cancelled, error, ...), from /metrics."""
+    body = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == "omnistage_pipeline_requests_total" and s.labels.get("pipeline") == "tiny-omni":
+                out[s.labels["outcome"]] = s.value
+    return out

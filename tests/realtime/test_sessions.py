@@ -18,6 +18,7 @@ from omnistage.tests.realtime.conftest import (
     engine_figures,
     idle,
     packets,
+    request_outcomes,
     send,
     speech,
     until,
@@ -156,7 +157,8 @@ def test_keys_by_header_query_or_subprotocol_and_the_session_limit(rt_server):
 
 
 def test_a_vanished_client_frees_everything(rt_server):
-    session = {"type": "realtime", "max_output_tokens": 200, "seed": 0, "audio": {"input": {"turn_detection": None}}}
+    # 2000 tokens: the thinker is still writing when the client goes, right after its first words
+    session = {"type": "realtime", "max_output_tokens": 2000, "seed": 0, "audio": {"input": {"turn_detection": None}}}
 
     async def talk():
         ws = await connect(rt_server).__aenter__()
@@ -166,13 +168,18 @@ def test_a_vanished_client_frees_everything(rt_server):
         for p in packets(speech()):
             await send(ws, "input_audio_buffer.append", audio=p)
         await send(ws, "input_audio_buffer.commit")
+        before = await asyncio.to_thread(request_outcomes, rt_server.url)
         await send(ws, "response.create")
-        await until(ws, "response.output_audio.delta")
+        await until(ws, "response.output_audio_transcript.delta")
         ws.transport.abort()  # no close frame: the client is simply gone
         t0 = time.monotonic()
         while not idle(await asyncio.to_thread(engine_figures, rt_server.url)):
             assert time.monotonic() - t0 < 30, engine_figures(rt_server.url)
             await asyncio.sleep(0.2)
+        after = await asyncio.to_thread(request_outcomes, rt_server.url)
+        # the request was aborted (cancelled), not run to its end
+        assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1, (before, after)
+        assert after.get("ok", 0) == before.get("ok", 0), (before, after)
         # and its session slot: the key can open its whole allowance again
         held = [await connect(rt_server).__aenter__() for _ in range(SESSIONS_PER_KEY)]
         try:

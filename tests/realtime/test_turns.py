@@ -218,9 +218,21 @@ def test_beta_names_and_g711_formats(rt_server):
                 await send(ws, "input_audio_buffer.append", audio=base64.b64encode(ulaw[i : i + step]).decode())
             seen: list = []
             await until(ws, "response.done", seen)
-            return updated, seen
+            part = {"type": "input_audio", "audio": base64.b64encode(ulaw[:8000]).decode()}  # the first second
+            await send(ws, "conversation.item.create", item={"type": "message", "role": "user", "content": [part]})
+            item = (await until(ws, "conversation.item.created"))["item"]
+            await send(ws, "conversation.item.retrieve", item_id=item["id"])
+            retrieved = await until(ws, "conversation.item.retrieved")
+            return updated, seen, retrieved
 
-    updated, seen = asyncio.run(talk())
+    updated, seen, retrieved = asyncio.run(talk())
+    # the item holds the mu-law audio decoded (and re-encoded for retrieve) as audioop decodes it
+    back = np.frombuffer(audioop.ulaw2lin(base64.b64decode(retrieved["item"]["content"][0]["audio"]), 2), "<i2")
+    want = np.frombuffer(audioop.ulaw2lin(ulaw[:8000], 2), "<i2")
+    assert abs(len(back) - len(want)) <= 1
+    n = min(len(back), len(want))
+    err = (back[:n].astype(float) - want[:n])[50:-50]
+    assert np.sqrt(np.mean(err**2)) < 0.05 * np.sqrt(np.mean(want.astype(float) ** 2))
     assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcmu"}
     types = [e["type"] for e in seen]
     assert "input_audio_buffer.speech_started" in types and "conversation.item.created" in types
