@@ -286,7 +286,9 @@ class PipelineRegistry:
             raise ModelNotFoundError(name, self.names())
         if entry.state == FAILED:
             raise ServiceUnavailableError(f"The model {name!r} failed to load: {entry.error}", code="model_failed")
-        if not entry.is_ready():
+        # once loaded, a replica restarting after a worker's death does not refuse requests:
+        # the runtime holds their deliveries until it is back (bounded by the intake limit)
+        if entry.state != READY or entry.pipeline is None:
             raise ServiceUnavailableError(f"The model {name!r} is still loading.", code="model_loading")
         return entry.pipeline
 
