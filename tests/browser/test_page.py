@@ -4,13 +4,25 @@ static folder. In Chromium, the page without the key says that the key is missin
 
 from __future__ import annotations
 
+import fnmatch
+import tomllib
 from pathlib import Path
 
 import httpx
 
 from omnistage.tests.browser.conftest import AUTH, page_state, wait_for
 
-STATIC = Path(__file__).resolve().parents[2] / "serving" / "static"
+ROOT = Path(__file__).resolve().parents[2]
+STATIC = ROOT / "serving" / "static"
+
+
+def test_static_files_are_package_data():
+    """An installed wheel carries every file of the page (pyproject's package-data)."""
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    patterns = globs.get("omnistage.serving", [])
+    for path in STATIC.iterdir():
+        relative = path.relative_to(ROOT / "serving").as_posix()
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns), f"{relative} is not in package-data"
 
 
 def test_page_and_files_are_served_without_the_key(demo_server):
