@@ -14,6 +14,7 @@ ROUTER_MODULES: list[str] = [
     "omnistage.serving.routes.images",  # /v1/images/generations
     "omnistage.serving.routes.image_edits",  # /v1/images/edits
     "omnistage.serving.routes.image_files",  # /v1/images/files/{name} (response_format url)
+    "omnistage.serving.routes.speech",  # /v1/audio/speech
     "omnistage.serving.routes.jobs",  # /v1/jobs (async jobs, events, outputs; docs/jobs.md)
     "omnistage.serving.routes.videos",  # /v1/videos (OpenAI's video API over jobs)
     "omnistage.serving.routes.realtime",  # WS /v1/realtime (voice sessions; docs/realtime.md)
