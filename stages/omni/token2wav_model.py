@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from omnistage.stages.ar.loader import checkpoint_files
+from omnistage.stages.omni.token2wav_attention import BlockLayout, block_layout, register
 
 SAMPLE_RATE = 24_000
 
@@ -74,35 +75,22 @@ def rk4_solve(velocity, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _attention_masks(dit, lengths: list[int], device: torch.device) -> dict[tuple[int, int], torch.Tensor]:
-    """Additive attention masks [b, 1, L, L] of windows padded to L, one per (blocks back,
-    blocks ahead) reach among the DiT's layers, built once per batch. A real query never sees
-    a padded key; padded queries see everything (their rows stay finite and are dropped)."""
-    longest = max(lengths)
-    blocks = torch.arange(longest, device=device) // dit.block_size
-    diff = blocks[None, :] - blocks[:, None]  # key block - query block
-    padded = torch.zeros(len(lengths), longest, longest, dtype=torch.bool, device=device)
-    for i, n in enumerate(lengths):
-        padded[i, :n, n:] = True
-        padded[i, n:, :] = False
-    masks = {}
+def _attention_layouts(
+    dit, lengths: list[int], longest: int, device: torch.device
+) -> dict[tuple[int, int], BlockLayout]:
+    """One block layout per (blocks back, blocks ahead) reach among the DiT's layers, built
+    once per batch (stages/omni/token2wav_attention.py)."""
+    layouts = {}
     for layer in dit.transformer_blocks:
         reach = (layer.look_backward_block, layer.look_ahead_block)
-        if reach not in masks:
-            allowed = (diff >= -reach[0]) & (diff <= reach[1])
-            allowed = (allowed[None] & ~padded) | _padded_rows(lengths, longest, device)
-            masks[reach] = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))[:, None]
-    return masks
-
-
-def _padded_rows(lengths: list[int], longest: int, device: torch.device) -> torch.Tensor:
-    rows = torch.arange(longest, device=device)[None, :] >= torch.tensor(lengths, device=device)[:, None]
-    return rows[:, :, None].expand(len(lengths), longest, longest)
+        if reach not in layouts:
+            layouts[reach] = block_layout(lengths, longest, dit.block_size, *reach, device)
+    return layouts
 
 
 def _decoder_layer(layer, h, time_embedding, position_embeddings, mask) -> torch.Tensor:
-    """One `DiTDecoderLayer` with a precomputed attention mask: the layer derives its mask from
-    block differences on every call, which cost more than its attention on CPU."""
+    """One `DiTDecoderLayer` with a precomputed attention layout: the layer derives a dense
+    mask from block differences on every call, which cost more than its attention on CPU."""
     norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(h, emb=time_embedding)
     h = h + gate_msa.unsqueeze(1) * layer.attn(norm, position_embeddings=position_embeddings, attention_mask=mask)
     norm = layer.ff_norm(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
@@ -114,6 +102,7 @@ class Token2WavNet:
 
     def __init__(self, dit, bigvgan, voices: dict[str, dict[str, torch.Tensor]], device: torch.device):
         self.dit = dit.to(device=device, dtype=torch.float32).eval()
+        self.dit.config._attn_implementation = register()  # block-local attention (token2wav_attention.py)
         self.bigvgan = bigvgan.to(device=device, dtype=torch.float32).eval()
         self.device = device
         cfg = dit.config
@@ -188,7 +177,7 @@ class Token2WavNet:
             x[i, : lengths[i]] = w.noise.to(self.device)
         positions = torch.arange(longest, device=self.device)[None, :].repeat(rows, 1)
         position_embeddings = self.dit.rotary_embed(x, positions)
-        masks = _attention_masks(self.dit, lengths * (2 if cfg else 1), self.device)
+        masks = _attention_layouts(self.dit, lengths * (2 if cfg else 1), longest, self.device)
         scale = settings.guidance_scale
 
         def velocity(t, state):
