@@ -141,7 +141,8 @@ class ResponseRunner:
 
     async def _stream(self, ids: dict[str, Any]) -> None:
         inputs, params = self._inputs_and_params()
-        text_port, audio_port, info_port = (self.served.port(r) for r in ("text", "audio", "info"))
+        roles = ("text", "audio", "info", "speech_info")
+        text_port, audio_port, info_port, speech_port = (self.served.port(r) for r in roles)
         kind = "response.output_audio_transcript.delta" if self.plan.speaks else "response.output_text.delta"
         stream = self.served.pipeline.stream(inputs, params, request_id=self.state.id)
         try:
@@ -154,7 +155,9 @@ class ResponseRunner:
                 elif chunk.port == audio_port and self.plan.speaks and len(chunk.data):
                     await self._audio_delta(ids, chunk.data)
                 elif chunk.port == info_port:
-                    self.state.usage = {**chunk.data.get("usage", {}), "finish_reason": chunk.data.get("finish_reason")}
+                    self.state.usage.update(chunk.data.get("usage", {}), finish_reason=chunk.data.get("finish_reason"))
+                elif chunk.port == speech_port and speech_port is not None:
+                    self.state.usage["codec_tokens"] = (chunk.data.get("usage") or {}).get("codec_tokens", 0)
         finally:
             await stream.aclose()
 
@@ -203,12 +206,18 @@ def _status_details(s: ResponseState) -> dict[str, Any] | None:
 
 
 def _usage(raw: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0))
-    cached = int(raw.get("cached_tokens") or 0)
+    """Realtime usage from the thinker's info (prompt audio positions counted apart) and the
+    talker's (codec tokens: the spoken output, counted as OpenAI counts audio output tokens)."""
+    prompt, text_out = int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0))
+    audio_in, audio_out = int(raw.get("audio_tokens") or 0), int(raw.get("codec_tokens") or 0)
     return {
-        "total_tokens": prompt + completion,
+        "total_tokens": prompt + text_out + audio_out,
         "input_tokens": prompt,
-        "output_tokens": completion,
-        "input_token_details": {"cached_tokens": cached},  # the thinker counts audio rows as prompt tokens
-        "output_token_details": {"text_tokens": completion},
+        "output_tokens": text_out + audio_out,
+        "input_token_details": {
+            "cached_tokens": int(raw.get("cached_tokens") or 0),
+            "text_tokens": prompt - audio_in,
+            "audio_tokens": audio_in,
+        },
+        "output_token_details": {"text_tokens": text_out, "audio_tokens": audio_out},
     }

@@ -35,18 +35,20 @@ async def _text_turn(ws, text: str) -> dict:
     await send(ws, "response.create")
     seen: list = []
     done = await until(ws, "response.done", seen)
-    assert (
-        "".join(e["delta"] for e in seen if e["type"] == "response.output_text.delta")
-        == (done["response"]["output"][0]["content"][0]["text"])
-    )
+    part = done["response"]["output"][0]["content"][0]
+    deltas = ("response.output_text.delta", "response.output_audio_transcript.delta")
+    assert "".join(e["delta"] for e in seen if e["type"] in deltas) == part.get("text", part.get("transcript"))
     return done["response"]["usage"]
 
 
-def test_later_turns_reuse_the_sessions_cached_prefix(rt_server):
+@pytest.mark.parametrize("modality", ["text", "audio"])
+def test_later_turns_reuse_the_sessions_cached_prefix(rt_server, modality):
+    config = {**TEXT, "instructions": INSTRUCTIONS, "output_modalities": [modality]}
+
     async def session(turns: list[str]) -> list[dict]:
         async with connect(rt_server) as ws:
             await until(ws, "session.created")
-            await send(ws, "session.update", session={**TEXT, "instructions": INSTRUCTIONS})
+            await send(ws, "session.update", session=config)
             await until(ws, "session.updated")
             return [await _text_turn(ws, t) for t in turns]
 

@@ -37,8 +37,8 @@ MANUAL = {
 }
 
 
-def chat_judge(server, content: list[dict]) -> tuple[str, int]:
-    """(transcript, samples) of the same turn as a spoken chat completion."""
+def chat_judge(server, content: list[dict]) -> tuple[str, int, dict]:
+    """(transcript, samples, usage) of the same turn as a spoken chat completion."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
     reply = client.chat.completions.create(
         model="tiny-omni",
@@ -51,7 +51,7 @@ def chat_judge(server, content: list[dict]) -> tuple[str, int]:
     audio = reply.choices[0].message.audio
     samples, rate = soundfile.read(io.BytesIO(base64.b64decode(audio.data)), dtype="float32")
     assert rate == RATE
-    return audio.transcript, len(samples)
+    return audio.transcript, len(samples), reply.usage.model_dump()
 
 
 async def collect_response(events) -> dict:
@@ -101,14 +101,16 @@ def test_text_turn_with_the_openai_client(rt_server):
             return await collect_response(events())
 
     got = asyncio.run(talk())
-    transcript, samples = chat_judge(rt_server, [{"type": "text", "text": "Hello, who are you?"}])
+    transcript, samples, _ = chat_judge(rt_server, [{"type": "text", "text": "Hello, who are you?"}])
     assert "".join(got["transcript"]) == got["transcript_done"] == transcript
     assert len(got["audio"]) == 2 * samples > 0
     done = got["done"]
     assert done["status"] in ("completed", "incomplete") and done["output"][0]["role"] == "assistant"
     assert done["output"][0]["content"][0]["transcript"] == transcript
     usage = done["usage"]
-    assert usage["output_tokens"] == TOKENS or done["status"] == "completed"
+    out = usage["output_token_details"]
+    assert out["text_tokens"] == TOKENS or done["status"] == "completed"
+    assert out["audio_tokens"] > 0 and usage["output_tokens"] == out["text_tokens"] + out["audio_tokens"]
     assert usage["input_tokens"] > 0 and usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
     order = [t for t in got["types"] if not t.endswith(".delta")]
     assert order.index("response.created") < order.index("response.content_part.added")
@@ -144,9 +146,13 @@ def test_manual_commit_turn_with_websockets(rt_server):
         "type": "input_audio",
         "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"},
     }
-    transcript, samples = chat_judge(rt_server, [audio_part])
+    transcript, samples, usage = chat_judge(rt_server, [audio_part])
     assert "".join(got["transcript"]) == transcript
     assert len(got["audio"]) == 2 * samples > 0
+    ours = got["done"]["usage"]
+    assert ours["input_tokens"] == usage["prompt_tokens"]
+    assert ours["input_token_details"]["audio_tokens"] == usage["prompt_tokens_details"]["audio_tokens"] > 0
+    assert ours["output_token_details"]["audio_tokens"] == usage["completion_tokens_details"]["audio_tokens"] > 0
 
 
 def _onset_and_end_ms(clip: np.ndarray) -> tuple[int, int]:
