@@ -108,7 +108,7 @@ def _start_ray(configs: list[str]):
     serve.start(http_options={"host": "127.0.0.1", "port": 0})
     # the replicas share the cores with the embedded workers, as every process here does
     args = {"configs": configs, "options": {"cpus_per_thread": 0.1}}
-    serve.run(build_app(args), name=APP, route_prefix=None, blocking=False)
+    serve.run(build_app(args), name=APP, route_prefix=None, blocking=False, logging_config={"enable_access_log": False})
     return owned
 
 

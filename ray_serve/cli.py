@@ -72,7 +72,9 @@ def serve_on_ray(
     try:
         serve.start(http_options={"host": host, "port": port})
         args: dict[str, Any] = {**source.to_dict(), "options": opts.to_dict()}
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False)
+        # Serve logs every call between deployments at INFO: only with --log-level debug
+        logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging_config)
         log.info("serving %s on http://%s:%d through Ray Serve", ", ".join(source.configs), host, port)
         stop.wait()
         log.info("stopping: deleting the Serve application")

@@ -52,6 +52,8 @@ def serve_config(
                 "name": APP_NAME,
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
+                # Serve logs every call between deployments at INFO otherwise
+                "logging_config": {"enable_access_log": False},
                 "args": {"configs": source.configs, "overrides": source.overrides, "options": options},
                 "deployments": deployments,
             }

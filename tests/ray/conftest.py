@@ -107,7 +107,9 @@ def ray_app():
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         args = {"configs": CONFIGS, "options": {"cpus_per_thread": CPUS_PER_THREAD}}
-        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        serve.run(
+            build_app(args), name=APP, route_prefix="/", blocking=False, logging_config={"enable_access_log": False}
+        )
         app = RayApp(f"http://127.0.0.1:{port}")
         app.wait_ready()
         yield app

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -66,7 +70,8 @@ def test_http_routes_answer_through_the_ingress(embedded, ray_app):
 
 
 def test_streaming_arrives_in_chunks_while_generating(ray_app):
-    body = {"model": "tiny-llm", "prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "stream": True}
+    # long enough (a few hundred engine steps) that a relay holding chunks back would show
+    body = {"model": "tiny-llm", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
     arrivals = []
     start = time.monotonic()
     with httpx.stream("POST", ray_app.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120) as r:
@@ -75,9 +80,12 @@ def test_streaming_arrives_in_chunks_while_generating(ray_app):
             if line.startswith("data: ") and line != "data: [DONE]":
                 if json.loads(line[6:])["choices"][0]["text"]:
                     arrivals.append(time.monotonic() - start)
-    assert len(arrivals) >= 8, arrivals
-    # the first text leaves long before the last: chunks are relayed as they are made
+    assert len(arrivals) >= 50, arrivals
+    # the first text leaves long before the last, and the rest arrive spread over the
+    # generation: chunks are relayed as they are made, not held until the end
     assert arrivals[0] < 0.5 * arrivals[-1], arrivals
+    spread = [t for t in arrivals if t < (arrivals[0] + arrivals[-1]) / 2]
+    assert len(spread) >= 10, arrivals
 
 
 def _llm_idle(stats: dict) -> bool:
@@ -160,3 +168,57 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(embedded, ray_
     finally:
         llm.close(0)
         diamond.close(0)
+
+
+def test_bench_quick_through_the_running_cluster(ray_app):
+    """`omnistage bench runtime --backend ray --quick` (its own Serve application beside this
+    module's): Ray's tokens equal embedded ones, and each figure comes from both systems."""
+    from omnistage.bench.ray_runtime import run_bench
+
+    result = run_bench(quick=True, runs=1, progress=False)
+    assert result["outputs_equal"] is True
+    ray_tps, emb_tps = result["ray"]["throughput_tok_s"], result["embedded"]["throughput_tok_s"]
+    assert ray_tps > 0 and emb_tps > 0
+    assert result["ratios"]["ray_vs_embedded_throughput"] == pytest.approx(ray_tps / emb_tps)
+    reference = result["reference"]
+    overhead = reference["ray_run_ms_p50"]["median"] - reference["embedded_run_ms_p50"]["median"]
+    assert result["ray"]["request_overhead_ms_p50"] == pytest.approx(overhead)
+    assert reference["ray_run_ms_p50"]["median"] > 0 and reference["embedded_run_ms_p50"]["median"] > 0
+    assert reference["chunks_per_request"] == 16  # the quick run's max_tokens, one chunk each
+    assert set(result["meets_targets"]) == {"ratios.ray_vs_embedded_throughput", "ray.request_overhead_ms_p50"}
+
+
+def test_the_cli_serves_on_a_running_cluster(ray_app):
+    """`omnistage serve --backend ray` with RAY_ADDRESS set: it deploys its application on that
+    cluster (replacing this module's, so this test comes last), serves it, and on SIGTERM
+    deletes the application and leaves the cluster running."""
+    import ray
+    from ray import serve
+
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "omnistage.serving.cli", "serve", "--backend", "ray", "tiny-llm"]
+    cmd += ["--ray-cpus-per-thread", "0.2", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 180
+        while True:  # the application now holds tiny-llm only
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                models = httpx.get(ray_app.url + "/v1/models", timeout=5).json()
+                if [m["id"] for m in models.get("data", [])] == ["tiny-llm"] and ray_app.wait_ready(1):
+                    break
+            except (httpx.HTTPError, AssertionError, ValueError):
+                pass
+            assert time.monotonic() < end, "the CLI's application never came up"
+            time.sleep(0.5)
+        body = {"model": "tiny-llm", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(ray_app.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        assert "omnistage" not in serve.status().applications
+        assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
