@@ -1,7 +1,8 @@
 """What a pipeline YAML means to Ray Serve: deployment names and options per stage pool.
 
 - `num_replicas`: the pool's `replicas`, unless the pool has an `autoscaling:` block, which
-  becomes Serve's `autoscaling_config` (min/max/initial replicas, target ongoing requests);
+  becomes Serve's `autoscaling_config` (min/max/initial replicas, target ongoing requests,
+  counted as the requests each replica's engine holds: ray_serve/scaling.py);
 - `ray_actor_options`: `num_cpus` = the pool's `threads` x `cpus_per_thread` (below 1 lets a
   small machine oversubscribe its cores, as the embedded runtime does), `num_gpus: 1` for a
   pool on `cuda` devices (Ray then shows the replica its GPU as `cuda:0`), and the pool's
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.graph.spec import PipelineSpec
+from omnistage.ray_serve.scaling import POLICY_PATH
 from omnistage.runtime.openmp import openmp_env
 
 INGRESS = "ingress"
@@ -120,6 +122,7 @@ def autoscaling_config(scaling: dict[str, Any]) -> dict[str, Any]:
     out = {k: scaling[k] for k in ("min_replicas", "max_replicas", "initial_replicas") if k in scaling}
     if "target_ongoing_requests" in scaling:
         out["target_ongoing_requests"] = scaling["target_ongoing_requests"]
+    out["policy"] = {"policy_function": POLICY_PATH}  # scale on the requests engines hold
     return out
 
 

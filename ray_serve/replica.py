@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from omnistage.ray_serve.options import BackendOptions, PipelineSource
+from omnistage.ray_serve.scaling import METRIC
 from omnistage.runtime.allocator import apply_allocator_defaults
 from omnistage.runtime.messages import Abort, Deliver, Emit, EmitBatch, Ready, Shutdown, StartFailed
 from omnistage.runtime.worker import Worker, WorkerConfig
@@ -223,6 +224,10 @@ class StageReplica:
         self._ended[rid] = None
         if len(self._ended) > ENDED_KEEP:
             del self._ended[next(iter(self._ended))]
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What ray_serve/scaling.py's policy scales on: the requests this replica holds."""
+        return {METRIC: float(len(self._owner))}
 
     def stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.worker.snapshot()}

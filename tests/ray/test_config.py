@@ -87,6 +87,7 @@ def test_options_follow_the_pools(config):
         "max_replicas": 4,
         "initial_replicas": 2,
         "target_ongoing_requests": 16,
+        "policy": {"policy_function": "omnistage.ray_serve.scaling:engine_requests_policy"},
     }
     actor = scaled["ray_actor_options"]
     assert (actor["num_cpus"], actor["num_gpus"], actor["resources"]) == (1.0, 1, {"llm_node": 1})
@@ -108,7 +109,9 @@ def test_the_import_path_builds_the_configured_deployments(config):
     built_names = {d.name for d in built.deployments}
     assert built_names == {d["name"] for d in app["deployments"]}
     scaled = next(d for d in built.deployments if d.name == "scaled.llm")
-    assert scaled._deployment_config.autoscaling_config.max_replicas == 4
+    scaling = scaled._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.initial_replicas) == (1, 4, 2)
+    assert scaling.policy.get_policy().__name__ == "engine_requests_policy"
     assert scaled.ray_actor_options["num_gpus"] == 1
     router = scaled._deployment_config.request_router_config.request_router_class
     assert router.endswith("PinnedRouter")
