@@ -99,8 +99,13 @@ POOL = {
     ),
     "autoscaling": Field(
         "mapping",
-        "Ray Serve backend: {min_replicas, max_replicas, initial_replicas, target_ongoing_requests, resources} "
+        "Ray Serve backend: {min_replicas, max_replicas, initial_replicas, target_ongoing_requests} "
         "(Serve's autoscaling_config; replaces `replicas` there, ignored embedded).",
+    ),
+    "resources": Field(
+        "special",
+        "Ray Serve backend: custom Ray resources per replica, {name: amount} (pins a stage to the nodes "
+        "that offer them; ignored embedded).",
     ),
 }
 
@@ -115,7 +120,6 @@ AUTOSCALING = {
         "Requests in flight per replica Serve scales towards (each request counts at every stage).",
         exclusive_minimum=0,
     ),
-    "resources": Field("special", "Custom Ray resources per replica, {name: amount} (pins a stage to nodes)."),
 }
 
 # Knobs of each batching policy (BatchingSpec fields).

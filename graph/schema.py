@@ -115,16 +115,12 @@ def _pool() -> dict[str, Any]:
                 }
                 for key in ("memory", "max_rss")
             },
-            "autoscaling": _object(
-                F.AUTOSCALING,
-                {
-                    "resources": {
-                        "description": F.AUTOSCALING["resources"].doc,
-                        "type": "object",
-                        "additionalProperties": {"type": "number", "minimum": 0},
-                    }
-                },
-            ),
+            "autoscaling": _object(F.AUTOSCALING, {}),
+            "resources": {
+                "description": F.POOL["resources"].doc,
+                "type": "object",
+                "additionalProperties": {"type": "number", "minimum": 0},
+            },
         },
     )
 

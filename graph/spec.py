@@ -57,7 +57,8 @@ class PoolSpec:
     memory: str | None = None  # optional budget, e.g. "2GiB" (KV pools size from it)
     step_timeout_s: float | None = 300.0  # watchdog on one engine step; None: off
     max_rss: str | None = None  # past it the worker is recycled between requests
-    autoscaling: dict | None = None  # Ray Serve backend: its autoscaling_config (+ resources)
+    autoscaling: dict | None = None  # Ray Serve backend: its autoscaling_config
+    resources: dict | None = None  # Ray Serve backend: custom Ray resources per replica
     pos: SourcePos | None = None  # where the pool mapping sits in the file (device errors at start)
 
     @property

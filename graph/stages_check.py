@@ -205,7 +205,23 @@ def _pool(node: Node, where: str, report: Report) -> PoolSpec:
         pool.max_rss = _memory(m.get("max_rss"), f"{where}.max_rss", report)
     if m.get("autoscaling") is not None:
         pool.autoscaling = _autoscaling(m.get("autoscaling"), f"{where}.autoscaling", report)
+    if m.get("resources") is not None:
+        pool.resources = _resources(m.get("resources"), f"{where}.resources", report)
     return pool
+
+
+def _resources(node: Node, where: str, report: Report) -> dict | None:
+    m = report.mapping(node, where, node.pos)
+    if m is None:
+        return None
+    amounts = {}
+    for name, amount in m.entries.items():
+        value = amount.value if isinstance(amount, ScalarNode) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            report.add(amount.pos, f"{where}.{name} must be a number >= 0, got {describe(amount)}")
+        else:
+            amounts[name] = value
+    return amounts
 
 
 def _autoscaling(node: Node, where: str, report: Report) -> dict | None:
@@ -219,16 +235,6 @@ def _autoscaling(node: Node, where: str, report: Report) -> dict | None:
     if high is not None and not low <= initial <= high:
         at = (m.get("initial_replicas") or m.get("max_replicas")).pos
         report.add(at, f"{where}: needs min_replicas <= initial_replicas <= max_replicas, got {low}, {initial}, {high}")
-    resources = report.mapping(m.get("resources"), f"{where}.resources", m.pos)
-    if resources is not None:
-        amounts = {}
-        for name, amount in resources.entries.items():
-            value = amount.value if isinstance(amount, ScalarNode) else None
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                report.add(amount.pos, f"{where}.resources.{name} must be a number >= 0, got {describe(amount)}")
-            else:
-                amounts[name] = value
-        values["resources"] = amounts
     return values
 
 

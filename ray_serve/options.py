@@ -6,7 +6,7 @@
 - `ray_actor_options`: `num_cpus` = the pool's `threads` x `cpus_per_thread` (below 1 lets a
   small machine oversubscribe its cores, as the embedded runtime does), `num_gpus: 1` for a
   pool on `cuda` devices (Ray then shows the replica its GPU as `cuda:0`), and the pool's
-  `autoscaling.resources` as custom resources (pin a stage to the nodes that offer them);
+  `resources` as custom resources (pin a stage to the nodes that offer them);
 - every stage deployment routes with ray_serve/router.py's PinnedRouter.
 
 Every replica loads the pipeline itself from a PipelineSource (config paths and `--set`
@@ -102,9 +102,9 @@ def stage_options(spec: PipelineSpec, stage: str, opts: BackendOptions) -> dict[
     }
     if any(d.startswith("cuda") for d in pool.devices):
         actor["num_gpus"] = 1
-    scaling = getattr(pool, "autoscaling", None)  # the optional `autoscaling:` block
-    if scaling and scaling.get("resources"):
-        actor["resources"] = dict(scaling["resources"])
+    if pool.resources:
+        actor["resources"] = dict(pool.resources)
+    scaling = pool.autoscaling
     out: dict[str, Any] = {
         "name": deployment_name(spec.name, stage),
         "ray_actor_options": actor,

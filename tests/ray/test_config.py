@@ -24,8 +24,8 @@ AUTOSCALED = textwrap.dedent(
         pool:
           devices: [cuda:0]
           threads: 2
-          autoscaling: {min_replicas: 1, max_replicas: 4, initial_replicas: 2, target_ongoing_requests: 16,
-                        resources: {llm_node: 1}}
+          autoscaling: {min_replicas: 1, max_replicas: 4, initial_replicas: 2, target_ongoing_requests: 16}
+          resources: {llm_node: 1}
     edges:
       - {from: inputs.prompt, to: llm.prompt}
       - {from: llm.text, to: outputs.text, stream: true}
@@ -128,8 +128,8 @@ def test_a_bad_autoscaling_block_is_a_file_line_col_error(tmp_path):
     text = bad.read_text().splitlines()
     row = next(i for i, t in enumerate(text) if "initial_replicas: 9" in t)
     col = text[row].index("initial_replicas: 9") + len("initial_replicas: ") + 1
-    where = "stages.llm.pool.autoscaling"
-    assert f"{bad}:{row + 1}:{col}: {where}: needs min_replicas <= initial_replicas <= max_replicas" in lines[0]
+    where = "stages.llm.pool"
+    assert f"{bad}:{row + 1}:{col}: {where}.autoscaling: needs min_replicas <= initial_replicas" in lines[0]
     row = next(i for i, t in enumerate(text) if "llm_node: x" in t)
     col = text[row].index("llm_node: x") + len("llm_node: ") + 1
     assert f"{bad}:{row + 1}:{col}: {where}.resources.llm_node must be a number >= 0" in run.stderr
