@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.errors import InvalidRequestError
 from omnistage.serving.deps import unless_disconnected
+from omnistage.serving.jobs.respond_async import image_format, respond_async
 from omnistage.serving.media import MediaFormat, encode_media
 from omnistage.serving.routes.image_files import image_store, image_url
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid, new_id, now, served_pipeline
@@ -196,6 +197,12 @@ async def generate_images(body: ImageGenerationRequest, request: Request):
         body.response_format,
         body.quality,
     )
+    accepted = await respond_async(  # Prefer: respond-async -> 202 and a job (serving/jobs/respond_async.py)
+        request, model=served.name, inputs=job.inputs, params=params,
+        output_format={served.port("image"): image_format(body.output_format, body.output_compression)},
+    )  # fmt: skip
+    if accepted is not None:
+        return accepted
     if body.stream:
         from omnistage.serving.routes.image_stream import stream_images
 

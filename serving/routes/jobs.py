@@ -212,6 +212,7 @@ async def job_stream(websocket: WebSocket, job_id: str):
     owner = owner_of(websocket)
     if job is not None and owner is not None and job.owner != owner:
         job = None  # another key's job: as absent as an unknown one
+    if job is None:
         await websocket.close(code=1008, reason="jobs unavailable" if service is None else "job not found")
         return
     await websocket.accept()
