@@ -132,6 +132,7 @@ class RunMetrics:
     def summary(self) -> dict[str, float]:
         return {
             "output_tok_s": self.tok_s,
+            "output_tokens": self.output_tokens,  # received, not requested: the smoke checks it
             "wall_s": self.wall_s,
             "ttft_ms_p50": percentile(self.ttft_s, 50) * 1e3,
             "ttft_ms_p99": percentile(self.ttft_s, 99) * 1e3,

@@ -223,7 +223,7 @@ def _omnistage_measure(driver, job: dict, settings: dict) -> dict:
         got = [x["count"] for x in res]
         if got != list(outs):
             raise RuntimeError(f"omnistage returned {got[:8]}... tokens, asked {outs[:8]}...")
-        metrics = RunMetrics(t_end - t0, sum(outs))
+        metrics = RunMetrics(t_end - t0, sum(got))
         for x, n in zip(res, outs):
             metrics.ttft_s.append(x["first"])
             if (v := tpot(x["t_first"], x["t_last"], n)) is not None:

@@ -34,7 +34,7 @@ def run_sweep(driver, job: dict) -> list[dict]:
             {"max_tokens": n, "temperature": 0.0, "ignore_eos": True, "cache_salt": f"sweep{level}"} for n in outs
         ]
         res, t0, t_end = driver.run_all(prompts, params, concurrency=level)
-        metrics = RunMetrics(t_end - t0, sum(outs))
+        metrics = RunMetrics(t_end - t0, sum(x["count"] for x in res))
         for x, n in zip(res, outs):
             metrics.ttft_s.append(x["t_first"] - x["t_submit"])
             if (v := tpot(x["t_first"], x["t_last"], n)) is not None:

@@ -72,12 +72,12 @@ def run_hf_serial(job: dict) -> dict:
         _generate(model, torch.tensor([prompts[0][:16]], device=dev), None, 4)  # warm-up
         runs = []
         for _ in range(job["runs"]):
-            metrics = RunMetrics(0.0, sum(outs))
+            metrics = RunMetrics(0.0, 0)
             t0 = time.perf_counter()
             for prompt, n in zip(prompts, outs):
                 clock = _StepClock()
                 ids = torch.tensor([prompt], device=dev)
-                _generate(model, ids, torch.ones_like(ids), n, clock)
+                metrics.output_tokens += _generate(model, ids, torch.ones_like(ids), n, clock).shape[1] - ids.shape[1]
                 metrics.ttft_s.append(clock.times[0] - t0)
                 if (v := tpot(clock.times[0], clock.times[n - 1], n)) is not None:
                     metrics.tpot_s.append(v)
@@ -92,6 +92,7 @@ def run_hf_serial(job: dict) -> dict:
             "attn_implementation": "sdpa",
             "threads": torch.get_num_threads(),
             "requests_timed": k,
+            "requested_output_tokens": sum(outs),
             "note": None
             if k == len(job["prompts"])
             else f"timed on the first {k} of {len(job['prompts'])} requests; TTFT counts "
@@ -129,9 +130,10 @@ def run_hf_static(job: dict) -> dict:
         for _ in range(job["runs"]):
             clock = _StepClock()
             t0 = time.perf_counter()
-            _generate(model, ids, mask, max(outs), clock)
+            generated = _generate(model, ids, mask, max(outs), clock).shape[1] - width
             wall = time.perf_counter() - t0
-            metrics = RunMetrics(wall, sum(outs))
+            # every row runs to the longest; a request counts the tokens it asked for
+            metrics = RunMetrics(wall, sum(min(n, generated) for n in outs))
             for n in outs:
                 metrics.ttft_s.append(clock.times[0] - t0)
                 if (v := tpot(clock.times[0], clock.times[n - 1], n)) is not None:
@@ -171,7 +173,7 @@ def run_hf_generate_batch(job: dict) -> dict:
             t0 = time.perf_counter()
             results = _cb_collect(manager, [(f"r{r}_{i}", p, n) for i, (p, n) in enumerate(zip(prompts, outs))])
             wall = time.perf_counter() - t0
-            metrics = RunMetrics(wall, sum(outs))
+            metrics = RunMetrics(wall, sum(len(results[f"r{r}_{i}"].generated_tokens) for i in range(len(outs))))
             for i, n in enumerate(outs):
                 ts = results[f"r{r}_{i}"].timestamps
                 if len(results[f"r{r}_{i}"].generated_tokens) != n:

@@ -24,9 +24,14 @@ def test_bench_ar_quick(tmp_path, png_colors):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["omnistage_mode"] == "pipeline"
+    requested = data["workload"]["requested_output_tokens"]
+    assert requested >= data["workload"]["requests"] * data["workload"]["output_len_range"][0]
     for system in ("omnistage", "hf_serial", "hf_static", "hf_generate_batch"):
         entry = data["systems"][system]
         assert "error" not in entry, entry
+        # the tokens each system really produced in every run, exactly what was asked
+        expected = entry["settings"]["requested_output_tokens"] if system == "hf_serial" else requested
+        assert entry["output_tokens"]["min"] == entry["output_tokens"]["max"] == expected, system
         for key in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99"):
             fig = entry[key]
             assert fig["min"] <= fig["median"] <= fig["max"] and fig["median"] > 0
@@ -35,7 +40,11 @@ def test_bench_ar_quick(tmp_path, png_colors):
         assert data["ratios"][key] > 0
     # the greedy check compares against transformers generate() in the same run
     assert data["checks"]["greedy_equal_hf"] is True
-    assert data["checks"]["tokens_compared"] > 0
+    checks = data["checks"]
+    assert checks["tokens_equal"] is True
+    # --quick compares the first 8 tokens of 4 requests (every request asks for at least 8)
+    assert data["workload"]["output_len_range"][0] >= 8
+    assert (checks["requests"], checks["tokens_compared"]) == (4, 32)
     share = data["prefix_cache"]["cached_prompt_share"]["median"]
     assert 0.5 < share < 1.0  # the shared prefix's whole blocks, never the unique suffix
     assert data["systems"]["hf_generate_batch"]["settings"]["num_blocks"] == 16
@@ -43,11 +52,9 @@ def test_bench_ar_quick(tmp_path, png_colors):
     sweep = data["concurrency_sweep"]
     assert sweep["levels"] == [1, 4, 8] and sweep["rounds"] == 1
     for point in sweep["points"]:
+        assert point["output_tokens"]["min"] == point["output_tokens"]["max"] == requested
         for key in ("output_tok_s", "ttft_ms_p50", "tpot_ms_p50"):
             assert point[key]["min"] <= point[key]["median"] <= point[key]["max"] and point[key]["median"] > 0
-    # one request at a time has no batch to share a step with: more in flight is faster
-    tok_s = [p["output_tok_s"]["median"] for p in sweep["points"]]
-    assert tok_s[-1] > tok_s[0]
     colors = png_colors(png)
     for system in ("omnistage", "hf_serial", "hf_static", "hf_generate_batch"):
         assert png_colors.rgb(SERIES_COLORS[system]) in colors, system
