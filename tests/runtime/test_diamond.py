@@ -49,15 +49,16 @@ def test_downstream_gets_first_chunk_before_upstream_finishes(diamond):
 
     async def collect():
         events = []
-        async for c in diamond.stream({"x": x}, params={"producer": {"delay": 0.25}}):
+        async for c in diamond.stream({"x": x}, params={"producer": {"delay": 1.0}}):
             events.append((time.monotonic(), c.stage, c.port, c.final))
         return events
 
     events = asyncio.run(collect())
     first_summary = next(t for t, stage, port, _ in events if port == "summary")
     producer_done = next(t for t, stage, port, final in events if port == "h" and final)
-    # the producer spends >= 3 x 0.25 s after its first chunk; summary answers well before that
-    assert first_summary < producer_done - 0.3
+    # the producer spends >= 3 x 1 s after its first chunk; summary answers well before that
+    # (a runtime that buffered the stream would deliver it after the producer's last chunk)
+    assert first_summary < producer_done - 1.0
     # streaming output edges pass chunks as produced; a non-streaming one delivers one
     # concatenated chunk when its producer finishes
     assert len([e for e in events if e[2] == "h"]) >= 4
@@ -68,18 +69,23 @@ def _stage_view(p):
     return {s: (v["inflight"], v["queue_depth"], v.get("engine_requests", 0)) for s, v in p.stage_stats().items()}
 
 
+def _in_every_stage(view) -> bool:
+    return view["producer"][0] == 1 and view["summary"][0] == 1 and view["dense"][1] == 1
+
+
 def test_cancel_mid_flight_frees_state_in_every_stage(diamond):
     x = torch.randn(16, 8)
 
     async def cancel_after_first_summary():
-        agen = diamond.stream({"x": x}, params={"producer": {"delay": 0.5}}, request_id="to-cancel")
+        agen = diamond.stream({"x": x}, params={"producer": {"delay": 3.0}}, request_id="to-cancel")
         async for c in agen:
             if c.port == "summary":
-                # the producer needs >= 1 s more; give each worker's loop time to take its inputs
-                deadline = time.monotonic() + 0.8
+                # the producer needs >= 6 s more: wait for each worker's figures to show the
+                # request (they lag on a loaded machine), then cancel
+                deadline = time.monotonic() + 5
                 held = _stage_view(diamond)
-                while held["dense"][1] != 1 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
+                while not _in_every_stage(held) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
                     held = _stage_view(diamond)
                 await agen.aclose()  # the client goes away
                 return held
@@ -88,7 +94,7 @@ def test_cancel_mid_flight_frees_state_in_every_stage(diamond):
     assert held["producer"][0] == 1  # generating
     assert held["summary"][0] == 1  # consuming chunks
     assert held["dense"][1] == 1  # waiting for the producer's whole output
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         view = _stage_view(diamond)
         if all(v == (0, 0, 0) for v in view.values()):
@@ -106,15 +112,15 @@ def test_sigkill_worker_fails_only_its_request_then_recovers(diamond):
 
     def slow_request():
         try:
-            result["out"] = diamond.run({"x": x}, params={"producer": {"delay": 0.5}}, timeout=60)
+            result["out"] = diamond.run({"x": x}, params={"producer": {"delay": 2.0}}, timeout=60)
         except Exception as exc:  # noqa: BLE001
             result["error"] = exc
 
     t = threading.Thread(target=slow_request)
     t.start()
-    deadline = time.monotonic() + 10
-    while diamond.stage_stats()["producer"]["inflight"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # routed to the producer (the hub's own table, not the worker's lagging figures): from then
+    # on its death fails the request; the request stays there >= 6 s (3 x 2 s between chunks)
+    _wait_until(lambda: _held(diamond, "producer") == [1], "the request never reached the producer")
     pid = diamond.worker_pids()["producer"][0]
     os.kill(pid, signal.SIGKILL)
     t.join(30)
@@ -127,29 +133,41 @@ def test_sigkill_worker_fails_only_its_request_then_recovers(diamond):
     assert_matches(diamond.run({"x": x2}, timeout=30), x2)
 
 
+def _held(p, stage) -> list[int]:
+    """Requests routed to each replica of `stage` and not finished there (the hub's own table)."""
+    return [r["held_requests"] for r in p.replica_stats(timeout=0.2)[stage]]
+
+
+def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def test_dead_replica_fails_only_the_requests_it_held(diamond):
-    """Two requests wait in different `dense` replicas; killing one replica fails only its own."""
+    """Two requests wait in different `dense` replicas; killing one replica fails only its own.
+
+    Where each request is comes from the hub's routing table, not from worker figures (those
+    lag under load). Request 0's chunks are 3 s apart, so it holds its dense replica >= 9 s
+    while request 1 (0.3 s apart) reaches the other one: the kill lands well inside that."""
     xs = [torch.randn(16, 8), torch.randn(16, 8)]
     results: list = [None, None]
 
-    def one(i):
+    def one(i, delay):
         try:
-            results[i] = diamond.run({"x": xs[i]}, params={"producer": {"delay": 0.4}}, timeout=60)
+            results[i] = diamond.run({"x": xs[i]}, params={"producer": {"delay": delay}}, timeout=60)
         except Exception as exc:  # noqa: BLE001
             results[i] = exc
 
-    def dense_waiting():
-        return [r.get("queue_depth", 0) for r in diamond.replica_stats()["dense"]]
-
-    threads = []
-    for i in range(2):
-        threads.append(threading.Thread(target=one, args=(i,)))
-        threads[-1].start()
-        deadline = time.monotonic() + 5
-        while dense_waiting()[i] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert dense_waiting() == [1, 1]  # least-loaded routing spread them over both replicas
-    victim = diamond.worker_pids()["dense"][0]
+    threads = [threading.Thread(target=one, args=(0, 3.0)), threading.Thread(target=one, args=(1, 0.3))]
+    threads[0].start()
+    _wait_until(lambda: sum(_held(diamond, "dense")) == 1, "request 0 never reached dense")
+    victim_index = _held(diamond, "dense").index(1)
+    threads[1].start()
+    # least-loaded routing sends request 1 to the other replica
+    _wait_until(lambda: _held(diamond, "dense") == [1, 1], "request 1 never reached the other dense replica")
+    victim = diamond.worker_pids()["dense"][victim_index]
     os.kill(victim, signal.SIGKILL)
     for t in threads:
         t.join(60)

@@ -42,14 +42,18 @@ def test_close_while_replicas_are_still_starting_is_quick():
     from omnistage.graph.loader import load_pipeline_text
     from omnistage.runtime.pipeline import Pipeline
 
+    t_start = time.monotonic()
     p = Pipeline.from_spec(load_pipeline_text(slow_build_yaml(120, replicas=2), "slow-build.yaml"), wait_ready=False)
+    start_s = time.monotonic() - t_start  # spawning the two workers: this machine's pace right now
     pids = [pid for reps in p.worker_pids().values() for pid in reps]
     assert len(pids) == 2 and all(pid is not None and pid_exists(pid) for pid in pids)
     assert not p.ready and p.stage_ready() == {"loading": False}
     t0 = time.monotonic()
     p.close(drain_timeout=30)
     took = time.monotonic() - t0
-    assert took < 5.0, f"close() during start-up took {took:.1f}s"
+    # not the 120 s build nor fixed join timeouts: about what spawning took (5 s on a quiet
+    # machine; on a loaded one spawning slows down as much as closing does)
+    assert took < max(5.0, 2 * start_s), f"close() during start-up took {took:.1f}s (spawning took {start_s:.1f}s)"
     assert not [pid for pid in pids if pid_exists(pid)]
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:slow-build:")]
     assert not _segments(p.shm_prefix)
@@ -126,7 +130,7 @@ def test_dead_workers_leak_no_permit_and_no_shared_memory(loss):
             owners.setdefault(owner, []).append(name)
         return owners
 
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while "dead" in files_by_owner() and time.monotonic() < deadline:
         time.sleep(0.05)
     owners = files_by_owner()
