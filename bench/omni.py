@@ -33,8 +33,15 @@ Ratios: `ttfa_vs_hf_full_c1` = omnistage c1 TTFA p50 / transformers serial laten
 `throughput_vs_hf_batch_c8` = the same over the batched generate(). `checks.greedy_equal_hf`:
 on the serial subset, omnistage's text and codec tokens equal transformers' exactly.
 
-`--quick`: 2 requests, 3 text / 36 codec tokens, concurrency 1 and 2, a smoke run of the
-whole harness (well under a minute once the checkpoint is built); its numbers mean nothing.
+Rounds: after one warm-up request per system, the whole workload runs `--repeats` times
+(default 3), each round omnistage (every concurrency) then transformers (serial subset, then
+the batch), so each round's ratios compare runs minutes apart. Every figure under
+`omnistage` / `hf` is the median over the rounds (each round's own figures are in `rounds`);
+`ratios` holds each ratio's median, `ratio_ranges` its median, min, max and per-round values.
+`checks.greedy_equal_hf` must hold in every round.
+
+`--quick`: 2 requests, 3 text / 36 codec tokens, concurrency 1 and 2, 2 rounds, a smoke run of
+the whole harness (about a minute once the checkpoint is built); its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -78,11 +85,12 @@ class BenchConfig:
     hf_requests: int = 4
     threads: int = 2
     stage_threads: int = 1
+    repeats: int = 3
 
     @classmethod
     def make(cls, quick: bool, **overrides) -> BenchConfig:
         base = (
-            cls(quick=True, requests=2, text_tokens=3, codec_tokens=36, concurrency=(1, 2), hf_requests=2)
+            cls(quick=True, requests=2, text_tokens=3, codec_tokens=36, concurrency=(1, 2), hf_requests=2, repeats=2)
             if quick
             else cls()
         )
@@ -121,36 +129,75 @@ def run_all(cfg: BenchConfig) -> dict:
     lengths = Lengths(cfg.text_tokens, cfg.codec_tokens)
     requests = make_requests(cfg.requests)
     model_dir = bench_model_dir()
-    log(f"model {model_dir}; {cfg.requests} requests, {lengths}; starting omnistage")
+    log(f"model {model_dir}; {cfg.requests} requests, {lengths}, {cfg.repeats} rounds; starting omnistage")
     out: dict = {"config": {**asdict(cfg), "thinker": THINKER, "hf_serial_subset": cfg.hf_requests}}
+    rounds, greedy = [], []
     with start_omnistage(model_dir, cfg.stage_threads) as pipeline:
-        if not cfg.quick:
-            run_omnistage(pipeline, requests[:1], lengths, 1)  # warm-up (first forwards, allocations)
-        omni_records = {}
-        for c in cfg.concurrency:
-            records, wall = run_omnistage(pipeline, requests, lengths, c)
-            omni_records[c] = records
-            out.setdefault("omnistage", {})[f"c{c}"] = summarize(records, wall)
-            log(f"omnistage c{c}: {out['omnistage'][f'c{c}']}")
-    torch.set_num_threads(cfg.threads)
-    model, processor = load_reference(model_dir), OmniProcessor(model_dir)
-    if not cfg.quick:
-        run_hf_serial(model, processor, requests[:1], lengths)  # warm-up
-    hf_records, wall = run_hf_serial(model, processor, requests[: cfg.hf_requests], lengths)
-    out["hf"] = {"serial": summarize(hf_records, wall)}
-    log(f"transformers serial: {out['hf']['serial']}")
+        torch.set_num_threads(cfg.threads)
+        model, processor = load_reference(model_dir), OmniProcessor(model_dir)
+        if not cfg.quick:  # warm-up (first forwards, allocations)
+            run_omnistage(pipeline, requests[:1], lengths, 1)
+            run_hf_serial(model, processor, requests[:1], lengths)
+        for i in range(cfg.repeats):
+            summary, omni_records, hf_records = run_round(pipeline, model, processor, cfg, requests, lengths)
+            log(f"round {i + 1}/{cfg.repeats}: ratios {summary['ratios']}")
+            rounds.append(summary)
+            greedy.append((omni_records, hf_records))
     c_max = max(cfg.concurrency)
-    try:
-        batch_records, wall = run_hf_batch(model, processor, requests[:c_max], lengths)
-        out["hf"][f"batch_c{c_max}"] = summarize(batch_records, wall)
-    except Exception as exc:  # noqa: BLE001 - batched generate() support varies across versions
-        out["hf"][f"batch_c{c_max}"] = {"error": f"{type(exc).__name__}: {exc}"}
-    log(f"transformers batch c{c_max}: {out['hf'][f'batch_c{c_max}']}")
-    out["ratios"] = ratios(out, c_max)
+    out["rounds"] = rounds
+    for system, keys in (("omnistage", [f"c{c}" for c in cfg.concurrency]), ("hf", ["serial", f"batch_c{c_max}"])):
+        out[system] = {k: median_summary([r[system][k] for r in rounds]) for k in keys}
+    out["ratio_ranges"] = {k: spread([r["ratios"][k] for r in rounds]) for k in rounds[0]["ratios"]}
+    out["ratios"] = {k: v["median"] for k, v in out["ratio_ranges"].items()}
     cfg2w = model.config.token2wav_config
     samples_per_code = cfg2w.dit_config.repeats * math.prod(cfg2w.bigvgan_config.upsample_rates)
-    out["checks"] = checks(omni_records[min(cfg.concurrency)], hf_records, lengths, samples_per_code)
+    per_round = [checks(o, h, lengths, samples_per_code) for o, h in greedy]
+    out["checks"] = {**per_round[0], **{k: all(c[k] for c in per_round) for k in ("greedy_equal_hf", "fixed_lengths")}}
     return out
+
+
+def run_round(pipeline, model, processor, cfg: BenchConfig, requests, lengths: Lengths):
+    """One pass of the workload through both systems: (summary, omnistage records at the
+    lowest concurrency, transformers serial records)."""
+    c_max = max(cfg.concurrency)
+    summary: dict = {"omnistage": {}, "hf": {}}
+    omni_records = {}
+    for c in cfg.concurrency:
+        records, wall = run_omnistage(pipeline, requests, lengths, c)
+        omni_records[c] = records
+        summary["omnistage"][f"c{c}"] = summarize(records, wall)
+        log(f"omnistage c{c}: {summary['omnistage'][f'c{c}']}")
+    hf_records, wall = run_hf_serial(model, processor, requests[: cfg.hf_requests], lengths)
+    summary["hf"]["serial"] = summarize(hf_records, wall)
+    log(f"transformers serial: {summary['hf']['serial']}")
+    try:
+        batch_records, wall = run_hf_batch(model, processor, requests[:c_max], lengths)
+        summary["hf"][f"batch_c{c_max}"] = summarize(batch_records, wall)
+    except Exception as exc:  # noqa: BLE001 - batched generate() support varies across versions
+        summary["hf"][f"batch_c{c_max}"] = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"transformers batch c{c_max}: {summary['hf'][f'batch_c{c_max}']}")
+    summary["ratios"] = ratios(summary, c_max)
+    return summary, omni_records[min(cfg.concurrency)], hf_records
+
+
+def median_summary(runs: list[dict]) -> dict:
+    """Each numeric figure's median over the rounds; the length lists merged."""
+    if any("error" in r for r in runs):
+        return {"error": next(r["error"] for r in runs if "error" in r)}
+    merged = {}
+    for key, value in runs[0].items():
+        if isinstance(value, list):
+            merged[key] = sorted({x for r in runs for x in r[key]})
+        elif isinstance(value, (int, float)):
+            merged[key] = statistics.median(r[key] for r in runs)
+    return merged
+
+
+def spread(values: list[float | None]) -> dict:
+    known = [v for v in values if v is not None]
+    if not known:
+        return {"median": None, "min": None, "max": None, "runs": values}
+    return {"median": statistics.median(known), "min": min(known), "max": max(known), "runs": values}
 
 
 def ratios(out: dict, c_max: int) -> dict:
@@ -190,15 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-requests", type=int, help="transformers serial subset size (>= 4 in a full run)")
     ap.add_argument("--threads", type=int, help="torch threads of the transformers baselines")
     ap.add_argument("--stage-threads", type=int, help="threads of omnistage's thinker, talker, token2wav workers")
+    ap.add_argument("--repeats", type=int, help="rounds of the whole workload (figures are their medians)")
     args = ap.parse_args(argv)
     cfg = BenchConfig.make(
-        args.quick, hf_requests=args.hf_requests, threads=args.threads, stage_threads=args.stage_threads
+        args.quick,
+        hf_requests=args.hf_requests,
+        threads=args.threads,
+        stage_threads=args.stage_threads,
+        repeats=args.repeats,
     )
     if not cfg.quick and cfg.hf_requests < 4:
         ap.error("--hf-requests must be >= 4 in a full run")
+    if cfg.repeats < 1:
+        ap.error("--repeats must be >= 1")
     result = run_all(cfg)
     Path(args.json).write_text(json.dumps(result, indent=2))
-    log(f"ratios {result['ratios']}; checks {result['checks']}; wrote {args.json}")
+    log(f"ratios (median, min, max over rounds) {result['ratio_ranges']}; checks {result['checks']}; wrote {args.json}")
     return 0
 
 

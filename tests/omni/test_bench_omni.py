@@ -53,3 +53,9 @@ def test_quick_bench_produces_the_fixed_lengths_and_matches_transformers(tmp_pat
     # streamed: the first audio leaves before the request is over, the first text before that
     assert omni["ttft_p50_s"] < omni["ttfa_p50_s"] < omni["latency_p50_s"]
     assert result["config"]["hf_serial_subset"] == cfg.hf_requests
+    # every round measured both systems; each ratio is the median of its rounds, within their range
+    assert len(result["rounds"]) == cfg.repeats >= 2
+    for key, spread in result["ratio_ranges"].items():
+        per_round = [r["ratios"][key] for r in result["rounds"]]
+        assert spread["runs"] == per_round and spread["min"] <= spread["median"] <= spread["max"]
+        assert ratios[key] == spread["median"] and spread["min"] == min(per_round)
