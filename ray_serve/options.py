@@ -95,7 +95,7 @@ def stage_options(spec: PipelineSpec, stage: str, opts: BackendOptions) -> dict[
     besides the router path, so config.py writes the same values)."""
     pool = spec.stages[stage].pool
     # the OpenMP settings of an embedded worker, in place before torch loads in the replica
-    env = {**openmp_env({}), "OMP_NUM_THREADS": str(pool.threads)}
+    env = {**openmp_env(), "OMP_NUM_THREADS": str(pool.threads)}
     actor: dict[str, Any] = {
         "num_cpus": float(pool.threads) * opts.cpus_per_thread,
         "runtime_env": {"env_vars": env},
