@@ -102,7 +102,7 @@ class SqlJobStore:
         results: list[Admitted] = []
         with self.db.transaction() as tx:
             queued_by_owner: dict[str | None, int] = {}
-            ahead: dict[tuple[str, int], int] = {}
+            ahead: dict[tuple[str, int], int] = {}  # (model, priority) -> queued ahead of its next job
             for job in jobs:
                 if job.idempotency_key is not None:
                     rows = tx.execute("SELECT * FROM jobs WHERE idempotency_key = :k", {"k": job.idempotency_key})
@@ -120,9 +120,15 @@ class SqlJobStore:
                         continue
                     queued_by_owner[job.owner] += 1
                 values = job_values(job)
-                tx.execute(
-                    f"INSERT INTO jobs ({', '.join(values)}) VALUES ({', '.join(':' + k for k in values)})", values
+                inserted = tx.execute(
+                    f"INSERT INTO jobs ({', '.join(values)}) VALUES ({', '.join(':' + k for k in values)}) "
+                    "ON CONFLICT DO NOTHING RETURNING id",
+                    values,
                 )
+                if not inserted:  # another server stored the same idempotency key meanwhile
+                    rows = tx.execute("SELECT * FROM jobs WHERE idempotency_key = :k", {"k": job.idempotency_key})
+                    results.append(Admitted(row_to_job(rows[0]), created=False))
+                    continue
                 tx.execute(
                     "INSERT INTO job_events (job_id, type, data, created_at) VALUES (:id, 'queued', :data, :at)",
                     {"id": job.id, "data": json.dumps({"status": "queued"}), "at": job.created_at},
@@ -130,9 +136,11 @@ class SqlJobStore:
                 key = (job.model, job.priority)
                 if key not in ahead:  # one count per (model, priority) a batch touches
                     ahead[key] = self._queue_position(tx.execute, job)
-                else:
-                    ahead[key] += 1
-                results.append(Admitted(job, created=True, queue_position=ahead[key]))
+                position = ahead[key]
+                for model, priority in ahead:  # this job runs before later ones of its model at <= priority
+                    if model == job.model and priority <= job.priority:
+                        ahead[(model, priority)] += 1
+                results.append(Admitted(job, created=True, queue_position=position))
         return results
 
     def create_job(self, job: Job) -> tuple[Job, bool]:

@@ -12,8 +12,9 @@ WS     /v1/jobs/{id}/stream           the events as JSON text frames, and the vi
 GET    /v1/jobs/{id}/stream           the same video segments as one chunked video/mp4 download
 
 The router's lifespan starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
-the jobs directory must belong to this server alone (a lock file says so); when another server
-holds it, the jobs routes answer 503.
+with the default SQLite store the jobs directory must belong to this server alone (a lock file
+says so; when another server holds it, the jobs routes answer 503); with a PostgreSQL store
+(OMNISTAGE_JOBS_DB) several servers share the database and the outputs directory.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ def _finished(service: JobService, job_id: str) -> bool:
 async def jobs_lifespan(app: FastAPI):
     config = JobsConfig.from_env()
     config.directory.mkdir(parents=True, exist_ok=True)
+    if config.db_url:  # a shared store: several servers on purpose, no directory lock
+        service = JobService(app.state.registry, config)
+        await service.start()
+        app.state.jobs = service
+        try:
+            yield
+        finally:
+            await service.stop()
+        return
     lock = open(config.directory / "server.lock", "w")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

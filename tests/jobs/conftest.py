@@ -167,3 +167,17 @@ def sse_events(text: str) -> list[tuple[str, str, dict]]:
         if "data" in fields:
             out.append((fields.get("id", ""), fields.get("event", ""), json.loads(fields["data"])))
     return out
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (tests/jobs/postgres.py), skipped with the reason when none starts."""
+    from omnistage.tests.jobs.postgres import start_postgres
+
+    server = start_postgres()
+    if isinstance(server, str):
+        pytest.skip(server)
+    try:
+        yield server
+    finally:
+        server.stop()
