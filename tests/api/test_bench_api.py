@@ -1,9 +1,11 @@
-"""`omnistage bench api --quick` runs both systems on the same requests and writes its JSON."""
+"""`omnistage bench api --quick` runs both systems on the same requests, in turns, and writes
+its JSON: per repeat, and the median (min, max) over the repeats."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +15,7 @@ def test_quick_bench_writes_both_systems(tmp_path):
     out = tmp_path / "api.json"
     omnistage = Path(sys.executable).parent / "omnistage"
     proc = subprocess.run(
-        [str(omnistage), "bench", "api", "--quick", "--no-progress", "--json", str(out)],
+        [str(omnistage), "bench", "api", "--quick", "--repeats", "2", "--no-progress", "--json", str(out)],
         env={**os.environ, "PYTHONSAFEPATH": "1"},
         capture_output=True,
         text=True,
@@ -21,14 +23,23 @@ def test_quick_bench_writes_both_systems(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    python, http = result["systems"]["python"], result["systems"]["http"]
-    assert set(python) == set(http) == {"c1", "c4"}
-    for level in ("c1", "c4"):
-        # ignore_eos: every request makes exactly max_tokens tokens, through either door
-        expected = python[level]["requests"] * result["plan"]["max_tokens"]
-        assert python[level]["tokens"] == http[level]["tokens"] == expected
-        assert 0 < http[level]["ttft_ms_p50"] <= http[level]["ttft_ms_p99"]
-    ratio = result["ratios"]["http_vs_python_throughput_c64"]
-    assert ratio == http["c4"]["tokens_per_s"] / python["c4"]["tokens_per_s"]
-    overhead = result["http_overhead_ms"]["ttft_p50_c1"]
-    assert overhead == http["c1"]["ttft_ms_p50"] - python["c1"]["ttft_ms_p50"]
+    assert len(result["runs"]) == result["plan"]["repeats"] == 2
+    for run in result["runs"]:
+        python, http = run["python"], run["http"]
+        assert set(python) == set(http) == {"c1", "c4"}
+        for level in ("c1", "c4"):
+            # ignore_eos: every request makes exactly max_tokens tokens, through either door
+            expected = python[level]["requests"] * result["plan"]["max_tokens"]
+            assert python[level]["tokens"] == http[level]["tokens"] == expected
+            assert 0 < http[level]["ttft_ms_p50"] <= http[level]["ttft_ms_p99"]
+        figures = run["figures"]
+        assert figures["http_vs_python_throughput_c64"] == http["c4"]["tokens_per_s"] / python["c4"]["tokens_per_s"]
+        assert figures["ttft_p50_c1"] == http["c1"]["ttft_ms_p50"] - python["c1"]["ttft_ms_p50"]
+    for key, reported in (
+        ("http_vs_python_throughput_c64", result["ratios"]["http_vs_python_throughput_c64"]),
+        ("ttft_p50_c1", result["http_overhead_ms"]["ttft_p50_c1"]),
+    ):
+        values = [run["figures"][key] for run in result["runs"]]
+        spread = result["spread"][key]
+        assert reported == spread["median"] == statistics.median(values)
+        assert (spread["min"], spread["max"]) == (min(values), max(values))
