@@ -125,7 +125,7 @@ class RealtimeSession:
         if self._detector is None:
             return
         stream, detector = self._vad_stream, self._detector
-        probs = await self.vad.probabilities(stream, stream.frames(samples))
+        probs = await self.vad.probabilities(stream, samples)
         if detector is not self._detector:  # the configuration changed while the model ran
             return
         for turn in detector.feed(probs, self._vad_origin_ms):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnistage.serving.realtime.audio import SESSION_RATE, resample
+from omnistage.serving.realtime.audio import SESSION_RATE
 
 VAD_RATE = 16_000
 FRAME = 512  # samples per silero frame at 16 kHz (32 ms)
@@ -63,7 +63,28 @@ class VadStream:
         if n == 0:
             return np.zeros((0, FRAME), dtype=np.float32)
         block, self.pending = self.pending[: n * SESSION_FRAME], self.pending[n * SESSION_FRAME :]
-        return resample(block, SESSION_RATE, VAD_RATE)[: n * FRAME].reshape(n, FRAME)
+        return _to_vad_rate(block)[: n * FRAME].reshape(n, FRAME)
+
+
+def _to_vad_rate(block: np.ndarray) -> np.ndarray:
+    """24 kHz -> 16 kHz with one cached polyphase kernel (a whole number of 32 ms frames maps exactly)."""
+    import torch
+
+    global _RESAMPLER
+    if _RESAMPLER is None:
+        import torchaudio.transforms as T
+
+        _RESAMPLER = T.Resample(SESSION_RATE, VAD_RATE)
+    with torch.inference_mode():
+        return _RESAMPLER(torch.from_numpy(block)).numpy()
+
+
+_RESAMPLER = None
+
+
+def run_samples(jobs: list[tuple[VadStream, np.ndarray]]) -> list[np.ndarray]:
+    """Cuts each job's new samples into frames (off the event loop), then runs them."""
+    return run_frames([(stream, stream.frames(samples)) for stream, samples in jobs])
 
 
 def run_frames(jobs: list[tuple[VadStream, np.ndarray]]) -> list[np.ndarray]:
@@ -98,15 +119,18 @@ class VadBatcher:
         self._task: asyncio.Task | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omnistage-vad")
 
-    async def probabilities(self, stream: VadStream, frames: np.ndarray) -> np.ndarray:
-        if len(frames) == 0:
-            return np.zeros(0, dtype=np.float32)
+    def preload(self) -> None:
+        """Starts loading the model (seconds) on the VAD thread, so a session's first frames need not wait."""
+        self._pool.submit(_Model.get)
+
+    async def probabilities(self, stream: VadStream, samples: np.ndarray) -> np.ndarray:
+        """Speech probability of each whole 32 ms frame that `samples` (24 kHz) completes."""
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._task.get_loop() is not loop:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._serve())
         future = loop.create_future()
-        self._queue.append((stream, frames, future))
+        self._queue.append((stream, samples, future))
         self._wake.set()
         return await future
 
@@ -119,7 +143,7 @@ class VadBatcher:
             if not jobs:
                 continue
             try:
-                probs = await loop.run_in_executor(self._pool, run_frames, [(s, f) for s, f, _ in jobs])
+                probs = await loop.run_in_executor(self._pool, run_samples, [(s, f) for s, f, _ in jobs])
             except Exception as exc:  # noqa: BLE001 - every waiting session hears of it
                 for _, _, fut in jobs:
                     if not fut.done():

@@ -43,6 +43,7 @@ def _shared(app: Any) -> tuple[VadBatcher, Counter]:
     state = app.state
     if getattr(state, "realtime_vad", None) is None:
         state.realtime_vad = VadBatcher()
+        state.realtime_vad.preload()
         state.realtime_sessions = Counter()
     return state.realtime_vad, state.realtime_sessions
 
