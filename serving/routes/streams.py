@@ -4,6 +4,7 @@ a failure after the headers in-band in OpenAI's error shape, and end with `data:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,22 +39,55 @@ def error_event(err: OmnistageError) -> dict[str, Any]:
     return error_body(str(err), status=err.status, code=err.code, param=getattr(err, "param", None))
 
 
+# Encoded events a stream may hold ahead of its client: beyond this the producer waits for the
+# socket (backpressure), as when each event was written before the next was made.
+COALESCE_MAX_EVENTS = 256
+_END = object()
+
+
+async def _encoded(events: AsyncIterator[Any], queue: asyncio.Queue) -> None:
+    """Producer: every event encoded, an in-band error event, or the exception, then _END."""
+    try:
+        async for item in events:
+            await queue.put(sse_event(item[1], event=item[0]) if isinstance(item, tuple) else sse_event(item))
+    except OmnistageError as err:  # headers are gone: report the error in-band
+        await queue.put(sse_event(error_event(err)))
+    except Exception as exc:  # noqa: BLE001 - re-raised by the consumer, in the response
+        await queue.put(exc)
+    await queue.put(_END)
+
+
 def sse_stream(events: AsyncIterator[Any], stream: Any, *, done: bool = True) -> StreamingResponse:
     """Events (dicts, or (event_name, dict) pairs) as an SSE response; `stream` (the
-    pipeline's) is closed however the response ends, which aborts unfinished work."""
+    pipeline's) is closed however the response ends, which aborts unfinished work.
+
+    Events made while the previous write was under way leave together in one write: under
+    load a response sends one chunk per wake-up of its task, not one per token."""
 
     async def body():
+        queue: asyncio.Queue = asyncio.Queue(COALESCE_MAX_EVENTS)
+        producer = asyncio.ensure_future(_encoded(events, queue))
         try:
-            async for item in events:
-                if isinstance(item, tuple):
-                    yield sse_event(item[1], event=item[0])
-                else:
-                    yield sse_event(item)
-        except OmnistageError as err:  # headers are gone: report the error in-band
-            yield sse_event(error_event(err))
+            while True:
+                parts = [await queue.get()]
+                while not queue.empty():
+                    parts.append(queue.get_nowait())
+                failure = next((p for p in parts if isinstance(p, BaseException)), None)
+                end = failure is not None or parts[-1] is _END
+                data = b"".join(p for p in parts if isinstance(p, bytes))
+                if end and failure is None and done:
+                    data += SSE_DONE
+                if data:
+                    yield data
+                if failure is not None:
+                    raise failure
+                if end:
+                    return
         finally:
-            await stream.aclose()
-        if done:
-            yield SSE_DONE
+            producer.cancel()  # the client left, or the end: stop pulling, then close the stream
+            try:
+                await asyncio.wait({producer})
+            finally:
+                await stream.aclose()
 
     return StreamingResponse(body(), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
