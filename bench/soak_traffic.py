@@ -48,6 +48,19 @@ def _error_of(response: httpx.Response) -> tuple[str | None, str | None]:
     return code, response.headers.get("retry-after")
 
 
+def sse_lines(response: httpx.Response):
+    """The stream's lines split at \n only (httpx's iter_lines also splits at U+2028 and
+    other Unicode line breaks, which a generated token may hold inside a JSON string)."""
+    buffer = ""
+    for text in response.iter_text():
+        buffer += text
+        *lines, buffer = buffer.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if buffer:
+        yield buffer
+
+
 def chat(client: httpx.Client) -> Outcome:
     t0 = time.monotonic()
     with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
@@ -55,12 +68,19 @@ def chat(client: httpx.Client) -> Outcome:
             r.read()
             code, retry = _error_of(r)
             return Outcome("chat", t0, time.monotonic(), False, r.status_code, code, retry)
-        done, code = False, None
-        for line in r.iter_lines():
-            if line == "data: [DONE]":
+        done, code, data = False, None, []
+        for line in sse_lines(r):
+            if line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+                continue
+            if line or not data:
+                continue
+            # an event ends at a blank line; a text with newlines spans several data: lines
+            payload, data = "\n".join(data), []
+            if payload == "[DONE]":
                 done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
+            else:
+                event = json.loads(payload)
                 if "error" in event:
                     code = event["error"].get("code") or "unknown"
     return Outcome("chat", t0, time.monotonic(), done and code is None, 200, code)
@@ -96,9 +116,9 @@ KINDS = {"chat": chat, "image": image, "job": job}
 
 class Traffic:
     """Closed-loop clients (`clients` per kind, each sending its next request when the last
-    one ended, after `think_s`) until `stop()`."""
+    one ended, after `think_s`: seconds, or seconds per kind) until `stop()`."""
 
-    def __init__(self, url: str, clients: dict[str, int], think_s: float = 0.0):
+    def __init__(self, url: str, clients: dict[str, int], think_s: float | dict[str, float] = 0.0):
         self.url = url
         self.outcomes: list[Outcome] = []
         self.errors: list[BaseException] = []
@@ -127,8 +147,9 @@ class Traffic:
                     continue
                 with self._lock:
                     self.outcomes.append(outcome)
-                if self._think:
-                    self._stop.wait(self._think)
+                think = self._think.get(kind, 0.0) if isinstance(self._think, dict) else self._think
+                if think:
+                    self._stop.wait(think)
 
     def stop(self, timeout: float = 120) -> list[Outcome]:
         self._stop.set()

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: runtime, ar, ar_engine, diffusion, api, omni; plot a result")
     p.add_argument(
-        "which", choices=["runtime", "ar", "ar_engine", "diffusion", "api", "omni", "jobs", "realtime", "plot"]
+        "which", choices=["runtime", "ar", "ar_engine", "diffusion", "api", "omni", "jobs", "soak", "realtime", "plot"]
     )
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser

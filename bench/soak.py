@@ -1,0 +1,227 @@
+"""`omnistage bench soak --minutes N [--json FILE]`: mixed traffic at ~80% of capacity against
+a real `omnistage serve tiny-llm tiny-image`, then what leaked.
+
+Phases: calibration (closed-loop clients with no pause: 2 streamed chats, 1 image, 1 job;
+their mean latency per kind), warm-up (the same clients, each pausing 0.25 x its kind's
+calibrated latency between requests, so each is busy ~80% of the time), the soak itself
+(the same load for N minutes), then idle. The server's process tree is measured while idle
+right before the soak ("start") and right after it ("end"): KV blocks held (/metrics),
+/dev/shm/omnistage-<server pid>-* files, open file descriptors, threads, processes, RSS per
+process. Last, the server gets SIGTERM and what survives it is counted.
+
+JSON: leaks {kv_blocks, shm_segments, fds, threads, processes} (growth from start to end,
+0 when clean), after_stop {processes, shm_segments}, errors_5xx (5xx answers and in-band
+stream errors), rss_growth_pct (the largest growth of one process), p99_s per kind over the
+soak's first and last fifth, requests per kind. The numbers are the server's own; the
+clients run in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from omnistage.bench.soak_traffic import Outcome, Traffic, p99
+
+CLIENTS = {"chat": 2, "image": 1, "job": 1}
+BUSY_FRACTION = 0.8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z":
+                kids.setdefault(int(fields[1]), []).append(int(entry))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    kids, found, frontier = _children(), [pid], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in kids.get(p, [])]
+        found += frontier
+    return [p for p in found if os.path.exists(f"/proc/{p}")]
+
+
+def _status_field(pid: int, name: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _metric_sum(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def tree_resources(root: int) -> dict:
+    """Open file descriptors, threads, processes and RSS per process of `root`'s tree."""
+    pids = process_tree(root)
+    fds = 0
+    for pid in pids:
+        try:
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            pass
+    return {
+        "fds": fds,
+        "threads": sum(_status_field(pid, "Threads") for pid in pids),
+        "processes": len(pids),
+        "rss_kib": {str(pid): _status_field(pid, "VmRSS") for pid in pids},
+    }
+
+
+def snapshot(server_pid: int, url: str) -> dict:
+    """The server tree's resources, taken while no request runs."""
+    held = _metric_sum(url, "omnistage_engine_kv_blocks_total") - _metric_sum(url, "omnistage_engine_kv_blocks_free")
+    return {
+        "kv_blocks": int(held),
+        "shm_segments": sum(1 for f in os.listdir("/dev/shm") if f.startswith(f"omnistage-{server_pid}-")),
+        **tree_resources(server_pid),
+    }
+
+
+def _start(workdir: Path) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    exe = Path(sys.executable).parent / "omnistage"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMNISTAGE_JOBS_DIR": str(workdir / "jobs")}
+    with open(workdir / "server.log", "wb") as out:
+        proc = subprocess.Popen(
+            [str(exe), "serve", "tiny-llm", "tiny-image", "--port", str(port)],
+            stdout=out,
+            stderr=out,
+            env=env,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(workdir / 'server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready after 600 s")
+
+
+def _phase(url: str, seconds: float, think: dict[str, float]) -> list[Outcome]:
+    traffic = Traffic(url, CLIENTS, think).start()
+    time.sleep(seconds)
+    outcomes = traffic.stop()
+    if traffic.errors:
+        raise RuntimeError(f"transport errors: {traffic.errors[:3]}")
+    return outcomes
+
+
+def _window_p99(outcomes: list[Outcome], lo: float, hi: float) -> dict[str, float]:
+    return {
+        kind: round(p99([o.seconds for o in outcomes if o.kind == kind and lo <= o.start < hi]), 4) for kind in CLIENTS
+    }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def run(minutes: float, workdir: Path, log=print) -> dict:
+    proc, url = _start(workdir)
+    try:
+        soak_s = minutes * 60.0
+        cal = _phase(url, max(5.0, 0.1 * soak_s), {})
+        think = {k: round((1 / BUSY_FRACTION - 1) * _mean([o.seconds for o in cal if o.kind == k]), 4) for k in CLIENTS}
+        log(f"calibrated: think time per kind {think}")
+        _phase(url, max(5.0, 0.2 * soak_s), think)  # warm-up: pools and caches reach their size
+        time.sleep(2.0)
+        start = snapshot(proc.pid, url)
+        t0 = time.monotonic()
+        log(f"soak: {minutes:g} min of mixed traffic")
+        outcomes = _phase(url, soak_s, think)
+        time.sleep(2.0)
+        end = snapshot(proc.pid, url)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    deadline = time.monotonic() + 15  # the fork server and resource tracker leave on their own
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in end["rss_kib"]):
+        time.sleep(0.1)
+    survivors = [p for p in end["rss_kib"] if os.path.exists(f"/proc/{p}")]  # pids as str
+    left_files = [f for f in os.listdir("/dev/shm") if f.startswith(f"omnistage-{proc.pid}-")]
+    growth = [
+        100.0 * (end["rss_kib"][pid] - kib) / kib
+        for pid, kib in start["rss_kib"].items()
+        if kib and pid in end["rss_kib"]
+    ]
+    fifth = soak_s / 5
+    return {
+        "minutes": minutes,
+        "clients": CLIENTS,
+        "think_s": think,
+        "requests": {k: sum(1 for o in outcomes if o.kind == k) for k in CLIENTS},
+        "failed": sum(1 for o in outcomes if not o.ok),
+        "errors_5xx": sum(1 for o in outcomes if o.status >= 500 or (o.status == 200 and o.code)),
+        "leaks": {k: max(0, end[k] - start[k]) for k in ("kv_blocks", "shm_segments", "fds", "threads", "processes")},
+        "kv_blocks_held_at_end": end["kv_blocks"],
+        "after_stop": {"processes": len(survivors), "shm_segments": len(left_files)},
+        "rss_growth_pct": round(max(growth, default=0.0), 2),
+        "p99_s": {
+            "start": _window_p99(outcomes, t0, t0 + fifth),
+            "end": _window_p99(outcomes, t0 + 4 * fifth, t0 + soak_s),
+        },
+        "start": start,
+        "end": end,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omnistage bench soak", description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="length of the soak itself (default 30)")
+    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--quick", action="store_true", help="--minutes 0.5")
+    args = parser.parse_args(argv)
+    minutes = 0.5 if args.quick else args.minutes
+    with tempfile.TemporaryDirectory(prefix="omnistage-soak-") as tmp:
+        result = run(minutes, Path(tmp))
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text)
+    summary = {k: result[k] for k in ("requests", "errors_5xx", "leaks", "after_stop", "rss_growth_pct", "p99_s")}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
