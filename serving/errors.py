@@ -7,7 +7,9 @@ Body: {"error": {"message": str, "type": str, "param": str | None, "code": str |
 
 from __future__ import annotations
 
+import errno
 import logging
+import sqlite3
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -143,6 +145,19 @@ def body_too_large_message(limit: int) -> str:
     return f"The request body is larger than this server's limit of {limit} bytes (--max-body-bytes)."
 
 
+def storage_full(exc: BaseException | None) -> bool:
+    """A write failed for lack of space: ENOSPC/EDQUOT/EFBIG (RLIMIT_FSIZE), or SQLite's
+    "database or disk is full", also as the cause of another exception."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return True
+        if type(exc).__name__ == "OperationalError" and "disk is full" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OmnistageError)
     async def _omnistage(request: Request, exc: OmnistageError):
@@ -157,6 +172,22 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         return http_error_response(exc, request)
+
+    # handled here rather than by the catch-all below, which answers and then re-raises (the
+    # server closes the connection)
+    async def _storage(request: Request, exc: Exception):
+        if not storage_full(exc):
+            raise exc
+        log.error("%s %s: storage full: %s", request.method, request.url.path, exc)
+        return error_response(
+            "The server's storage is full (its job store or output directory); nothing was stored. Retry later.",
+            status=507,
+            code="storage_full",
+            headers={"Retry-After": "30"},
+        )
+
+    app.add_exception_handler(OSError, _storage)
+    app.add_exception_handler(sqlite3.OperationalError, _storage)
 
     @app.exception_handler(Exception)
     async def _unhandled(request: Request, exc: Exception):
