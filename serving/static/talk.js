@@ -8,10 +8,12 @@ import { base64FromBytes, bytesFromBase64, openSocket } from "./api.js";
 const RATE = 24000;
 const PREBUFFER_S = 0.12; // audio held before a response starts playing, against network jitter
 const LEAD_S = 0.02; // scheduling headroom ahead of the audio clock
+const MAX_SCHEDULE_RECORDS = 10000;
 
 // What the page did, for people and for tests (tests/browser reads it).
 export const talkState = {
   status: "idle",
+  session: null,
   framesSent: 0,
   bytesSent: 0,
   captureStartedAt: null, // AudioContext time of the first frame sent
@@ -22,6 +24,7 @@ export const talkState = {
   buffersScheduled: 0,
   secondsScheduled: 0,
   secondsScheduledByItem: {}, // assistant item id -> seconds of its audio scheduled
+  schedule: [], // [item id, start on the audio clock, duration] of each chunk scheduled
   underruns: 0,
   speechStarted: 0,
   truncatesSent: 0,
@@ -37,7 +40,7 @@ export const talkState = {
 const $ = (id) => document.getElementById(id);
 
 // Chunks of one response's audio, scheduled back to back once PREBUFFER_S is queued.
-class Player {
+export class Player {
   constructor(context) {
     this.context = context;
     this.pending = []; // AudioBuffers not yet scheduled
@@ -46,6 +49,7 @@ class Player {
     this.itemId = null;
     this.endAt = 0; // audio clock time the last scheduled chunk ends
     this.flushing = false; // the response is complete: play whatever is left at once
+    this.starved = false; // an underrun was counted and playback waits for the prebuffer again
   }
 
   push(itemId, bytes) {
@@ -67,7 +71,10 @@ class Player {
   schedule() {
     const now = this.context.currentTime;
     const running = this.endAt > now;
-    if (!running && this.playing.length && this.pending.length) talkState.underruns++;
+    if (!running && this.playing.length && this.pending.length && !this.starved) {
+      talkState.underruns++; // the previous chunk has ended and the next was not there
+      this.starved = true;
+    }
     if (!running && !this.flushing && this.pendingSeconds < PREBUFFER_S) return;
     let at = Math.max(this.endAt, now + LEAD_S);
     for (const buffer of this.pending) {
@@ -77,12 +84,14 @@ class Player {
       source.start(at);
       this.playing.push({ source, start: at, duration: buffer.duration });
       at += buffer.duration;
+      if (talkState.schedule.length < MAX_SCHEDULE_RECORDS) talkState.schedule.push([this.itemId, at, buffer.duration]);
       talkState.buffersScheduled++;
       talkState.secondsScheduled += buffer.duration;
       const byItem = talkState.secondsScheduledByItem;
       byItem[this.itemId] = (byItem[this.itemId] || 0) + buffer.duration;
     }
     this.endAt = at;
+    this.starved = false;
     this.pending = [];
     this.pendingSeconds = 0;
   }
@@ -117,6 +126,7 @@ class Player {
     this.endAt = 0;
     this.itemId = itemId;
     this.flushing = false;
+    this.starved = false;
   }
 }
 
@@ -159,11 +169,13 @@ class TalkSession {
   }
 
   configure() {
+    const maxTokens = Number($("talk-max-tokens").value);
     this.send({
       type: "session.update",
       session: {
         type: "realtime",
         output_modalities: ["audio"],
+        max_output_tokens: maxTokens >= 1 ? maxTokens : "inf", // "inf": the pipeline's own limit
         audio: {
           input: {
             format: { type: "audio/pcm", rate: RATE },
@@ -196,6 +208,10 @@ class TalkSession {
   onServerEvent(event) {
     talkState.events[event.type] = (talkState.events[event.type] || 0) + 1;
     switch (event.type) {
+      case "session.created":
+      case "session.updated":
+        talkState.session = event.session; // the configuration as the server applied it
+        break;
       case "input_audio_buffer.speech_started":
         talkState.speechStarted++;
         this.interrupt();

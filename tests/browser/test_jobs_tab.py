@@ -113,3 +113,19 @@ def test_video_job_plays_from_its_stream(demo_server, open_browser):
     stream = container.streams.video[0]
     expected = float(stream.frames / stream.average_rate) if stream.frames else 17 / float(stream.average_rate)
     assert video["duration"] == pytest.approx(expected, abs=0.1)
+
+
+def test_cancel_button_cancels_the_running_job(demo_server, open_browser):
+    from selenium.webdriver.common.by import By
+
+    driver = open_browser()
+    open_demo(driver, demo_server, "jobs")
+    fill_job_form(driver, "tiny-image", prompt="slow", width=64, height=64, steps=500, seed=1)
+    wait_for(driver, "window.demo.jobs.progressEvents >= 1", 120, "the job running")
+    driver.find_element(By.ID, "job-cancel").click()
+    wait_for(driver, "/^(completed|failed|canceled|error)/.test(window.demo.jobs.status)", 120, "the job's end")
+    state = page_state(driver, "window.demo.jobs")
+    assert state["status"] == "canceled" and state["events"][-1] == "canceled"
+    assert state["percent"] < 100 and state["imageSize"] is None
+    job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
+    assert job["status"] == "canceled"

@@ -26,14 +26,17 @@ RATE = 24000
 FRAME_BYTES = 480 * 2  # 20 ms of pcm16 at 24 kHz
 # the page reports an error or a closed socket: no point waiting for an answer
 GAVE_UP = "window.demo.talk.errors.length || window.demo.talk.status.startsWith('closed')"
-LEADING_SILENCE_S = 0.3  # of speech-browser.wav; the controlled microphone skips it
+LEADING_SILENCE_S = 0.3
+LONG_ANSWER_TOKENS = 160  # of speech-browser.wav; the controlled microphone skips it
 
 
-def start_talking(driver) -> None:
+def start_talking(driver, max_tokens: int | None = None) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
     Select(driver.find_element(By.ID, "talk-model")).select_by_value("tiny-omni")
+    if max_tokens is not None:
+        driver.find_element(By.ID, "talk-max-tokens").send_keys(str(max_tokens))
     driver.find_element(By.ID, "talk-start").click()
 
 
@@ -62,6 +65,15 @@ def test_spoken_turn_is_answered_with_audio_and_transcript(demo_server, open_bro
     assert state["buffersScheduled"] == state["audioDeltas"]
     assert state["secondsScheduled"] == pytest.approx(state["audioBytesReceived"] / 2 / RATE, abs=1e-6)
     assert state["audioBytesReceived"] > 0 and state["truncatesSent"] == 0
+    # ... back to back on the audio clock: a chunk starts where the one before it ends, except
+    # after an underrun (the next chunk came late), when it starts later, never earlier
+    chunks = [(start, duration) for _, start, duration in state["schedule"]]
+    assert len(chunks) == state["buffersScheduled"]
+    steps = [
+        start - (prev_start + prev_duration) for (prev_start, prev_duration), (start, _) in zip(chunks, chunks[1:])
+    ]
+    assert all(step >= -1e-9 for step in steps), steps
+    assert sum(1 for step in steps if step > 1e-6) == state["underruns"], (steps, state["underruns"])
 
     # The live transcript is the server's whole transcript, and the page shows it.
     assert state["transcript"] and state["transcript"] == "".join(state["transcriptsDone"])
@@ -102,8 +114,11 @@ def test_speaking_over_the_answer_interrupts_it(demo_server, open_browser):
     clip = base64.b64encode(SPEECH.read_bytes()).decode()
     driver.execute_script(CONTROLLED_MICROPHONE, clip, LEADING_SILENCE_S)
     wait_for(driver, "window.testMic.clip", 10, "the clip decoded")
-    start_talking(driver)
+    # a long answer (the tiny model's random text runs to the limit), so that the second
+    # sentence lands while it is still being generated, however slow the machine
+    start_talking(driver, max_tokens=LONG_ANSWER_TOKENS)
     wait_for(driver, "window.demo.talk.events['session.updated']", 60, "the session configured")
+    assert page_state(driver, "window.demo.talk.session.max_output_tokens") == LONG_ANSWER_TOKENS
     driver.execute_script("window.testMic.speak();")
     wait_for(
         driver,
@@ -128,3 +143,46 @@ def test_speaking_over_the_answer_interrupts_it(demo_server, open_browser):
     assert state["responseStatuses"][0] == "cancelled"
     interrupted = page_state(driver, "[...document.querySelectorAll('#transcript li.interrupted')].length")
     assert interrupted == 1
+
+
+# The page's own Player (talk.js) on the page's AudioContext, fed 100 ms chunks of pcm16 at a
+# chosen pace: faster than real time they must play back to back, slower each late chunk is
+# an underrun and starts later. Returns [start, duration] per chunk and the underruns counted.
+PLAYER_AT_PACE = """
+const [paceMs, count, done] = arguments;
+(async () => {
+  const { Player, talkState } = await import("/static/talk.js");
+  const context = new AudioContext();
+  const player = new Player(context);
+  const item = `pace-${paceMs}`;
+  const before = talkState.underruns;
+  const chunk = new Uint8Array(2400 * 2); // 100 ms at 24 kHz
+  for (let i = 0; i < count; i++) {
+    player.push(item, chunk);
+    await new Promise((r) => setTimeout(r, paceMs));
+  }
+  player.finish();
+  const chunks = talkState.schedule.filter(([id]) => id === item).map(([, start, d]) => [start, d]);
+  done({ chunks, underruns: talkState.underruns - before, state: context.state });
+  context.close();
+})().catch((e) => done({ error: String(e) }));
+"""
+
+
+@pytest.mark.parametrize("pace_ms, late", [(40, False), (250, True)])
+def test_player_schedules_chunks_back_to_back(demo_server, open_browser, pace_ms, late):
+    driver = open_browser()
+    open_demo(driver, demo_server, "talk")
+    driver.set_script_timeout(60)
+    result = driver.execute_async_script(PLAYER_AT_PACE, pace_ms, 10)
+    assert "error" not in result, result
+    chunks = result["chunks"]
+    assert len(chunks) == 10 and all(d == pytest.approx(0.1) for _, d in chunks)
+    steps = [start - (prev + d) for (prev, d), (start, _) in zip(chunks, chunks[1:])]
+    assert all(step >= -1e-9 for step in steps), steps  # never overlapping
+    gaps = sum(1 for step in steps if step > 1e-6)
+    assert gaps == result["underruns"], (steps, result["underruns"])
+    if late:  # each came after the one before had played out: rebuffer 120 ms (2 chunks), play
+        assert result["underruns"] >= 3, result
+    else:  # all of them while the one before still played: one seamless stream
+        assert result["underruns"] == 0 and gaps == 0, steps
