@@ -60,6 +60,13 @@ STAGE_PARAMS = ParamSet(
     + (
         Param("max_codes", "integer", 16384, "Most codec tokens one request may send.", minimum=1),
         Param("windows_per_request", "integer", 1, "Most windows of one request in one forward.", minimum=1),
+        Param(
+            "vocoder_batch_size",
+            "integer",
+            1,
+            "Most equal-length vocoder windows in one BigVGAN forward (on CPU one at a time is fastest).",
+            minimum=1,
+        ),
         Param("end_codes", "integer_list", (), "Codec ids that end a request's codes (the talker's end id)."),
         Param(
             "weight_prefix", "string", None, "Weights' prefix in the checkpoint (default: the model's).", nullable=True
@@ -121,6 +128,7 @@ class Token2WavStage(StageEngine):
         self.end_codes = set(p["end_codes"])
         self.max_windows = max(1, ctx.batching.max_batch_size)
         self.windows_per_request = p["windows_per_request"]
+        self.vocoder_batch_size = p["vocoder_batch_size"]
         self.requests: dict[str, Token2WavRequest] = {}
         self._pending: list[Emission] = []
         self.totals = {"forwards": 0, "windows": 0, "max_windows_per_forward": 0, "audio_seconds": 0.0}
@@ -269,8 +277,8 @@ class Token2WavStage(StageEngine):
         self.step_log.append(StepRecord(ids, len(picked), seconds, {"frames": frames}))
 
     def _vocode_ready(self) -> list[Emission]:
-        """Vocode every request's ready window (equal lengths share a forward) and emit audio;
-        finished requests leave."""
+        """Vocode every request's ready window (up to vocoder_batch_size of equal length share a
+        forward) and emit audio; finished requests leave."""
         ready: dict[int, list[tuple[Token2WavRequest, Span, torch.Tensor]]] = {}
         for state in self.requests.values():
             win = state.vocoder_window()
@@ -279,7 +287,9 @@ class Token2WavStage(StageEngine):
         audio: dict[str, torch.Tensor] = {}
         failed: set[str] = set()
         per = self.net.samples_per_frame
-        for group in ready.values():
+        size = self.vocoder_batch_size
+        groups = [same[i : i + size] for same in ready.values() for i in range(0, len(same), size)]
+        for group in groups:
             try:
                 waves = self.net.vocode([mel for _, _, mel in group])
             except Exception as exc:  # noqa: BLE001

@@ -85,7 +85,7 @@ def test_windows_of_several_requests_share_forwards_and_equal_solo(ckpt):
         "c": (codes_of(45, 13), {"voice": "Ethan", "seed": 3, "mode": "full"}),
         "d": (codes_of(100, 14), {"speaker": "Chelsie", "seed": 4, "past_blocks": 3, "future_blocks": 2}),
     }
-    stage = make_stage(ckpt, params={"windows_per_request": 3}, max_batch_size=8)
+    stage = make_stage(ckpt, params={"windows_per_request": 3, "vocoder_batch_size": 4}, max_batch_size=8)
     together, errors = decode(stage, requests)  # all codes at once: every request has windows ready
     assert not errors
     shared = [rec for rec in stage.step_log if len(set(rec.request_ids)) == 4]
