@@ -82,6 +82,12 @@ async def _pixels(upload: UploadFile) -> np.ndarray:
     "/v1/images/edits",
     response_model=ImagesResponse,
     responses={200: {"content": {"text/event-stream": {}}}},
+    # FastAPI documents a form model with files as urlencoded; the upload needs multipart
+    openapi_extra={
+        "requestBody": {
+            "content": {"multipart/form-data": {"schema": {"$ref": "#/components/schemas/ImageEditRequest"}}}
+        }
+    },
 )
 async def edit_images(body: Annotated[ImageEditRequest, Form()], request: Request):
     served = served_pipeline(request, body.model, "images")

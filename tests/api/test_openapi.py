@@ -23,3 +23,17 @@ def test_routes_carry_their_schemas(api_server, path, request_model, response_mo
     schemas = spec["components"]["schemas"]
     assert "model" in schemas[request_model]["properties"]
     assert schemas[response_model]["properties"]
+
+
+def test_edits_and_speech_carry_their_schemas(api_server):
+    spec = httpx.get(api_server.url + "/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    edits = spec["paths"]["/v1/images/edits"]["post"]
+    form = edits["requestBody"]["content"]["multipart/form-data"]["schema"]["$ref"].split("/")[-1]
+    assert {"image", "prompt", "strength", "mask"} <= set(schemas[form]["properties"])
+    assert edits["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ImagesResponse")
+    assert "text/event-stream" in edits["responses"]["200"]["content"]
+    speech = spec["paths"]["/v1/audio/speech"]["post"]
+    assert speech["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/SpeechRequest")
+    assert {"audio/mpeg", "audio/wav", "audio/pcm", "text/event-stream"} <= set(speech["responses"]["200"]["content"])
+    assert {"input", "voice", "response_format", "speed", "stream_format"} <= set(schemas["SpeechRequest"]["properties"])
