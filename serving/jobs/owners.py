@@ -26,6 +26,10 @@ def owner_of(connection: HTTPConnection) -> str | None:
     """The owner digest of a request or websocket, or None on an open server."""
     if not _keys_required(connection.app):
         return None
+    # the key the guard checked: a header, or on a websocket ?api_key= / the subprotocol
+    checked = (connection.scope.get("state") or {}).get("api_key")
+    if checked:
+        return "key_" + hashlib.sha256(checked.encode()).hexdigest()[:32]
     scheme, _, token = connection.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return "key_absent"  # unreachable behind the guard (401); matches no key's jobs

@@ -144,6 +144,9 @@ class TalkSession {
   }
 
   async start() {
+    if (!window.isSecureContext || !navigator.mediaDevices || !window.AudioWorkletNode) {
+      throw new Error("the microphone needs a secure page: open it as http://localhost, http://127.0.0.1 or https://");
+    }
     this.context = new AudioContext({ latencyHint: "interactive" });
     await this.context.audioWorklet.addModule("/static/pcm-capture.js");
     this.stream = await navigator.mediaDevices.getUserMedia({
