@@ -9,6 +9,7 @@ it is made and the others arrive whole at the end (the AR stage streams sequence
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -100,6 +101,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
 
 
+_SLOT = "\x00"
+
+
+def _content_template(event: dict[str, Any]):
+    """A content delta as its compact JSON text, built by splicing the text into the event
+    encoded once per response (the bytes json.dumps would give, without encoding the rest
+    of the event per token)."""
+    head, tail = json.dumps(event, separators=(",", ":"), ensure_ascii=False).split('"\\u0000"')
+    return lambda text: head + json.dumps(text, ensure_ascii=False) + tail
+
+
 def _speech_info(served: Served, outputs: dict[str, Any]) -> dict[str, Any] | None:
     port = served.port("speech_info")
     return (outputs.get(port) or {}) if port is not None else None
@@ -122,13 +134,19 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
             **extra,
         }
 
+    content_event = _content_template(
+        chunk([{"index": 0, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}])
+    )
+
     async def events():
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])
         info = None
         speech_info = {} if speech_info_port is not None else None
         async for item in first:
-            if item.port == text_port and item.data:
-                delta = {"audio": {"id": audio_id, "transcript": item.data}} if spoken else {"content": item.data}
+            if item.port == text_port and item.data and not spoken:
+                yield content_event(item.data)
+            elif item.port == text_port and item.data:
+                delta = {"audio": {"id": audio_id, "transcript": item.data}}
                 yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
             elif spoken and item.port == audio_port and item.data is not None and len(item.data):
                 delta = {"audio": {"id": audio_id, "data": pcm16_b64(item.data)}}
