@@ -76,3 +76,15 @@ def test_a_client_that_leaves_closes_the_stream():
     source = Stream([{"i": i} for i in range(1000)], delay=0.001)
     writes = _writes(sse_stream(source.gen(), source), stop_after=1)
     assert len(writes) == 1 and source.closed
+
+
+def test_spliced_content_events_are_the_encoded_events():
+    from omnistage.serving.routes.chat import _SLOT, _content_template
+
+    def event(text):
+        choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
+
+    splice = _content_template(event(_SLOT))
+    for text in ("hi", 'a"b\\c\nd\r', "é✓\u2028", "\x00x", ""):
+        assert sse_event(splice(text)) == sse_event(event(text)), text
