@@ -28,7 +28,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageContext, StageRequest
 from omnistage.stages.dynamic import PreparedBatchEngine
 from omnistage.stages.omni.checkpoint import load_submodule, read_config
-from omnistage.stages.omni.video import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VideoPatcher, VideoPatches
+from omnistage.stages.omni.video import VIDEO_FPS, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VideoPatcher, VideoPatches
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
@@ -51,6 +51,16 @@ STAGE_PARAMS = ParamSet(
             "Largest image area after resizing (default: the checkpoint's preprocessor config, else 28*28*1280).",
             minimum=1,
             nullable=True,
+        ),
+        Param("video_min_pixels", "integer", VIDEO_MIN_PIXELS, "Smallest video frame area after resizing.", minimum=1),
+        Param("video_max_pixels", "integer", VIDEO_MAX_PIXELS, "Largest video frame area after resizing.", minimum=1),
+        Param(
+            "video_fps",
+            "number",
+            VIDEO_FPS,
+            "Video frames sampled per second (Qwen2.5-Omni's processor assumes 2).",
+            exclusive_minimum=True,
+            minimum=0,
         ),
     ),
 )
@@ -144,7 +154,9 @@ class VisionEncoderStage(PreparedBatchEngine):
         min_pixels = params["min_pixels"] or pre.get("min_pixels") or 56 * 56
         max_pixels = params["max_pixels"] or pre.get("max_pixels") or 28 * 28 * 1280
         self.patcher = ImagePatcher(vision_config, min_pixels, max_pixels)
-        self.video_patcher = VideoPatcher(vision_config, VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)
+        self.video_patcher = VideoPatcher(
+            vision_config, params["video_min_pixels"], params["video_max_pixels"], params["video_fps"]
+        )
         self.tower = build_vision_tower(str(ctx.model_path), params["weight_prefix"], ctx.device, ctx.dtype)
 
     def prepare(self, request: StageRequest) -> tuple[list[Any], Hashable]:

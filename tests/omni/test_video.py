@@ -90,13 +90,13 @@ def test_an_mp4_decodes_to_its_frames_and_its_sound(tmp_path):
     assert abs(len(sound) - len(clip)) < 2048 and np.abs(sound).max() > 0.1
 
 
-def _video_embeds(model_dir, videos):
-    enc = VisionEncoderStage(make_ctx("vision_encoder", model_dir))
+def _video_embeds(model_dir, videos, params=None):
+    enc = VisionEncoderStage(make_ctx("vision_encoder", model_dir, params))
     enc.add(StageRequest("x", {"videos": videos}))
     return run_stage(enc)["x"][-1].outputs["video_embeds"]
 
 
-def _reference(model, model_dir, messages, video, patches, clip, audio_in_video):
+def _reference(model, model_dir, messages, video, patches, clip, audio_in_video, fps=2.0):
     """transformers: the processor's ids (given our patches), get_rope_index, generate()."""
 
     class OurPatches:
@@ -109,7 +109,7 @@ def _reference(model, model_dir, messages, video, patches, clip, audio_in_video)
     proc.video_processor = OurPatches()
     text = OmniProcessor(model_dir).prompt_text(messages, speech=False)
     extra = dict(load_audio_from_video=True, audio=[clip], audio_from_video_indices=[0]) if audio_in_video else {}
-    kw = proc(text=[text], videos=[video["frames"]], return_tensors="pt", **extra)
+    kw = proc(text=[text], videos=[video["frames"]], return_tensors="pt", videos_kwargs={"fps": fps}, **extra)
     media = {k: kw[k] for k in ("pixel_values_videos", "video_grid_thw", "video_second_per_grid")}
     if audio_in_video:
         media.update(input_features=kw["input_features"], feature_attention_mask=kw["feature_attention_mask"])
@@ -127,17 +127,21 @@ def _reference(model, model_dir, messages, video, patches, clip, audio_in_video)
     return kw["input_ids"][0].tolist(), positions[:, 0], seq[0, kw["input_ids"].shape[1] :].tolist()
 
 
-@pytest.mark.parametrize("audio_in_video", [False, True], ids=["video", "audio_in_video"])
-def test_video_prompt_greedy_tokens_and_positions_equal_transformers(omni_dir, omni_ref, audio_in_video):
+@pytest.mark.parametrize(
+    "audio_in_video,fps", [(False, 2.0), (True, 2.0), (True, 1.0)], ids=["video", "audio_in_video", "at_1_fps"]
+)
+def test_video_prompt_greedy_tokens_and_positions_equal_transformers(omni_dir, omni_ref, audio_in_video, fps):
     video = {"frames": _frames(16, 56, 84, 11), "fps": 4.0}  # 4 s: 8 frames at 2 fps, grid t = 4
     clip = _clip(4.4, 12)  # 4.4 s of sound: 3 chunks of 2 s beside the frames' 2
-    patches = VideoPatcher(_vision_config(omni_dir), VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS)(video)
-    assert patches.grid_thw[0] == 4
+    patches = VideoPatcher(_vision_config(omni_dir), VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS, fps)(video)
+    assert patches.grid_thw[0] == {2.0: 4, 1.0: 2}[fps]  # 8 or 4 frames sampled, in pairs
+    assert patches.second_per_grid == 2 / fps
     parts = [{"type": "text", "text": "Watch."}, {"type": "video"}, {"type": "text", "text": "What happens?"}]
     messages = [{"role": "user", "content": parts}]
-    ids, positions, tokens = _reference(omni_ref, omni_dir, messages, video, patches, clip, audio_in_video)
+    ids, positions, tokens = _reference(omni_ref, omni_dir, messages, video, patches, clip, audio_in_video, fps)
 
-    embeds = _video_embeds(omni_dir, [video])
+    embeds = _video_embeds(omni_dir, [video], {"video_fps": fps})
+    assert embeds[0]["grid_thw"] == patches.grid_thw
     inputs = {"messages": messages, "video_embeds": embeds}
     if audio_in_video:
         inputs["audio_embeds"] = _embeds(omni_dir, [clip])
