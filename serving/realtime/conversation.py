@@ -149,7 +149,8 @@ class Conversation:
             if item.role == "system":
                 system.append(item.text())
             elif item.role == "assistant":
-                messages.append({"role": "assistant", "content": item.text()})
+                if item.text():  # an answer cancelled before its first word says nothing
+                    messages.append({"role": "assistant", "content": item.text()})
             else:
                 parts: list[dict[str, Any]] = []
                 for p in item.content:

@@ -257,8 +257,6 @@ class RealtimeSession:
         runner.task.add_done_callback(lambda _t: self._response_ended(runner))
 
     def _response_ended(self, runner: ResponseRunner) -> None:
-        if runner.state.status == "cancelled" and runner.item in self.conversation.items and not runner.state.text:
-            self.conversation.items.remove(runner.item)  # nothing was said: nothing to remember
         td = self.config.turn_detection
         if td is not None and td.idle_timeout_ms and runner is self.response:
             delay = (td.idle_timeout_ms + runner.state.audio_ms) / 1000
