@@ -36,4 +36,6 @@ def test_edits_and_speech_carry_their_schemas(api_server):
     speech = spec["paths"]["/v1/audio/speech"]["post"]
     assert speech["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/SpeechRequest")
     assert {"audio/mpeg", "audio/wav", "audio/pcm", "text/event-stream"} <= set(speech["responses"]["200"]["content"])
-    assert {"input", "voice", "response_format", "speed", "stream_format"} <= set(schemas["SpeechRequest"]["properties"])
+    assert {"input", "voice", "response_format", "speed", "stream_format"} <= set(
+        schemas["SpeechRequest"]["properties"]
+    )
