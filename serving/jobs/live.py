@@ -1,4 +1,5 @@
-"""A running job's video as fragmented-MP4 segments, muxed while the VAE decodes chunks.
+"""A running job's media while it is produced: the video as fragmented-MP4 segments muxed while
+the VAE decodes chunks (LiveVideo), the audio as PCM16 chunks as the vocoder emits them (LiveAudio).
 
 The scheduler pushes each chunk of frames the pipeline streams on a video port (MP4 format)
 into a FragmentedMP4Muxer; the bytes each push completes are a segment. Websocket clients of
@@ -40,3 +41,31 @@ class LiveVideo:
                 self.segments.append(tail)
         self.done = True
         return b"".join(self.segments)
+
+
+@dataclass
+class LiveAudio:
+    """A running job's audio as binary chunks while the vocoder emits them: for `wav`, a WAV
+    header of unknown length first (streaming WAV), then raw PCM16 per chunk; for `pcm`, the raw
+    PCM16 only. The samples are those of the finished file (the same PCM16 rounding)."""
+
+    port: str
+    sample_rate: int
+    fmt: str = "wav"
+    segments: list[bytes] = field(default_factory=list)
+    done: bool = False
+
+    def push(self, samples: Any) -> bool:
+        from omnistage.streaming.audio import to_pcm16, wav_stream_header
+
+        data = to_pcm16(samples)
+        if not data:
+            return False
+        if not self.segments and self.fmt == "wav":
+            data = wav_stream_header(self.sample_rate) + data
+        self.segments.append(data)
+        return True
+
+    def finish(self) -> None:
+        """Nothing to add: the finished file is written from the whole clip (with its real length)."""
+        self.done = True

@@ -16,10 +16,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import OmnistageError
-from omnistage.serving.jobs.live import LiveVideo
+from omnistage.serving.jobs.live import LiveAudio, LiveVideo
 from omnistage.serving.jobs.model import Job, JobStatus
 from omnistage.serving.jobs.outputs import output_formats, write_outputs
-from omnistage.serving.media import DEFAULT_FPS
+from omnistage.serving.media import DEFAULT_FPS, DEFAULT_SAMPLE_RATE
 from omnistage.stages.contracts import combine_chunks
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ class Scheduler:
     def __init__(self, service: JobService):
         self.service = service
         self.running: dict[str, asyncio.Task] = {}  # job id -> its task
-        self.live: dict[str, LiveVideo] = {}  # job id -> its video being muxed
+        self.live: dict[str, LiveVideo | LiveAudio] = {}  # job id -> its media being streamed
         self.wake = asyncio.Event()
 
     def running_for(self, model: str) -> int:
@@ -98,7 +98,8 @@ class Scheduler:
         live = self._live_video(job, pipeline)
         try:
             outputs = await self._stream(job, pipeline, live)
-            prebuilt = {live.port: await asyncio.to_thread(live.finish)} if live is not None else {}
+            whole = await asyncio.to_thread(live.finish) if live is not None else None
+            prebuilt = {live.port: whole} if whole else {}  # a muxed video is the file; audio is written whole
             formats = output_formats(pipeline.spec, job.output_format)
             record = await asyncio.to_thread(
                 write_outputs, job.id, outputs, formats, service.config.outputs_dir, prebuilt
@@ -129,11 +130,16 @@ class Scheduler:
                 service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
         service.finish(job.id, JobStatus.COMPLETED, outputs=record)
 
-    def _live_video(self, job: Job, pipeline: Any) -> LiveVideo | None:
-        """The job's first MP4 video port, muxed while it streams (serving/jobs/live.py)."""
+    def _live_video(self, job: Job, pipeline: Any) -> LiveVideo | LiveAudio | None:
+        """The job's first MP4 video or WAV/PCM audio port, sent to stream clients as it is made
+        (serving/jobs/live.py)."""
         for port, media in output_formats(pipeline.spec, job.output_format).items():
             if media.port_type == "video" and media.format == "mp4":
                 live = self.live[job.id] = LiveVideo(port, float(media.option("fps", DEFAULT_FPS)))
+                return live
+            if media.port_type == "audio" and media.format in ("wav", "pcm"):
+                rate = int(media.option("sample_rate", DEFAULT_SAMPLE_RATE))
+                live = self.live[job.id] = LiveAudio(port, rate, media.format)
                 return live
         return None
 

@@ -7,9 +7,10 @@ GET    /v1/jobs/{id}                  status, progress, queue_position, timings,
 DELETE /v1/jobs/{id}                  cancel a queued or running job (409 when it has finished)
 GET    /v1/jobs/{id}/events           SSE of the job's event log; resumes after Last-Event-ID
 GET    /v1/jobs/{id}/outputs/{name}   an output file (Range requests answered)
-WS     /v1/jobs/{id}/stream           the events as JSON text frames, and the video as binary
-                                      fragmented-MP4 segments while the VAE decodes it
-GET    /v1/jobs/{id}/stream           the same video segments as one chunked video/mp4 download
+WS     /v1/jobs/{id}/stream           the events as JSON text frames, and as binary frames the video
+                                      (fragmented-MP4 segments while the VAE decodes it) or the audio
+                                      (WAV header + PCM16 chunks as the vocoder emits them)
+GET    /v1/jobs/{id}/stream           the same bytes as one chunked download
 
 The router's lifespan starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
 with the default SQLite store the jobs directory must belong to this server alone (a lock file
@@ -261,7 +262,7 @@ async def _send_stream(websocket: WebSocket, service: JobService, job_id: str) -
 
 async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> None:
     job = service.store.get_job(job_id)
-    path = _video_file(service, job) if job is not None else None
+    path = _stream_file(service, job) if job is not None else None
     if path is not None:
         await websocket.send_bytes(await asyncio.to_thread(path.read_bytes))
 
@@ -270,8 +271,9 @@ async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> 
 async def job_stream_download(job_id: str, request: Request):
     service = jobs_service(request)
     job = service.get(job_id, owner_of(request))
-    if not any(f.port_type == "video" and f.format == "mp4" for f in _formats(service, job).values()):
-        raise InvalidRequestError(f"job {job_id} has no MP4 video output to stream", param="id")
+    streamed = [f for f in _formats(service, job).values() if f.media_type in STREAMED_MEDIA_TYPES]
+    if not streamed:
+        raise InvalidRequestError(f"job {job_id} has no MP4 video or WAV/PCM audio output to stream", param="id")
 
     async def segments():
         sent, live = 0, None
@@ -287,7 +289,7 @@ async def job_stream_download(job_id: str, request: Request):
                 current = service.store.get_job(job_id)
                 if current is None or current.status.finished:
                     if current is not None and current.status is JobStatus.COMPLETED:
-                        path = _video_file(service, current)
+                        path = _stream_file(service, current)
                         if path is not None:
                             yield await asyncio.to_thread(path.read_bytes)
                     return
@@ -297,7 +299,7 @@ async def job_stream_download(job_id: str, request: Request):
                 except TimeoutError:
                     pass
 
-    return StreamingResponse(segments(), media_type="video/mp4")
+    return StreamingResponse(segments(), media_type=streamed[0].media_type)
 
 
 def _formats(service: JobService, job: Job) -> dict:
@@ -306,9 +308,12 @@ def _formats(service: JobService, job: Job) -> dict:
     return output_formats(spec, job.output_format) if spec is not None else {}
 
 
-def _video_file(service: JobService, job: Job):
+STREAMED_MEDIA_TYPES = ("video/mp4", "audio/wav", "audio/pcm")  # what /stream carries as it is made
+
+
+def _stream_file(service: JobService, job: Job):
     for value in job.outputs.values():
         for file in value.get("files", ()) if isinstance(value, dict) else ():
-            if file["media_type"] == "video/mp4":
+            if file["media_type"] in STREAMED_MEDIA_TYPES:
                 return output_path(service.config.outputs_dir, job.id, file["name"])
     return None
