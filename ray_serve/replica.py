@@ -194,6 +194,9 @@ class StageReplica:
         return self.replica_id
 
     async def listen(self, channel: str, replica: str | None = None):
+        if replica is not None and replica != self.replica_id:
+            # routed here because the pinned replica is gone: its requests are not here
+            raise RuntimeError(f"replica {replica} is gone (this is {self.replica_id})")
         ch = self._channel(channel)
         try:
             while True:

@@ -8,6 +8,7 @@ down and checks that no process Ray started is left.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -49,6 +50,23 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+RAY_PROCESS = re.compile(r"raylet|gcs_server|ray::|/ray/")
+
+
+def ray_processes(pids: set[int]) -> set[int]:
+    """Those of `pids` that Ray started (its daemons and workers; not the embedded runtime's
+    fork server, which the module's other fixtures may have started meanwhile)."""
+    found = set()
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if RAY_PROCESS.search(cmdline):
+            found.add(pid)
+    return found
+
+
 def alive(pids: set[int]) -> set[int]:
     left = set()
     for pid in pids:
@@ -65,20 +83,20 @@ def alive(pids: set[int]) -> set[int]:
 class RayApp:
     url: str
 
-    def handles(self, pipeline: str, stages) -> dict:
+    def handles(self, pipeline: str, stages, app: str = APP) -> dict:
         from ray import serve
 
         from omnistage.ray_serve.options import deployment_name
 
-        return {s: serve.get_deployment_handle(deployment_name(pipeline, s), app_name=APP) for s in stages}
+        return {s: serve.get_deployment_handle(deployment_name(pipeline, s), app_name=app) for s in stages}
 
-    def pipeline(self, name: str):
-        """A RayPipeline in the test process over the application's stage deployments."""
+    def pipeline(self, config: str, app: str = APP):
+        """A RayPipeline in the test process over an application's stage deployments."""
         from omnistage.graph.loader import load_pipeline
         from omnistage.ray_serve.pipeline import RayPipeline
 
-        spec = load_pipeline(name)
-        return RayPipeline.connect(spec, self.handles(name, spec.stages), APP, ready_timeout=120)
+        spec = load_pipeline(config)
+        return RayPipeline.connect(spec, self.handles(spec.name, spec.stages, app), app, ready_timeout=120)
 
     def wait_ready(self, timeout: float = 300.0) -> dict:
         end = time.monotonic() + timeout
@@ -114,7 +132,8 @@ def ray_app():
         app.wait_ready()
         yield app
     finally:
-        started = descendants(os.getpid()) - before
+        started = ray_processes(descendants(os.getpid()) - before)
+        assert started, "no Ray process found: the leftover check below would check nothing"
         try:
             serve.shutdown()
         finally:

@@ -170,6 +170,62 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(embedded, ray_
         diamond.close(0)
 
 
+SLEEPY_YAML = """name: sleepy
+inputs: {x: tensor}
+outputs: {y: tensor}
+stages:
+  pre:
+    kind: noop
+    params: {inputs: {x: tensor}, outputs: {y: tensor}}
+    batching: {policy: dynamic, max_batch_size: 8, max_wait_ms: 0}
+  sleeper:
+    kind: torch_module
+    params: {factory: "omnistage.runtime.testmodules:Sleeper", inputs: {x: tensor}, outputs: {y: tensor}, pass_params: true}
+    batching: {policy: none}
+edges:
+  - {from: inputs.x, to: pre.x}
+  - {from: pre.y, to: sleeper.x, max_inflight: 1}
+  - {from: sleeper.y, to: outputs.y}
+"""
+
+
+def test_a_full_edge_holds_back_its_producer(ray_app, tmp_path):
+    """pre -> sleeper has max_inflight 1: with three requests at once, the sleeper's replica
+    never holds more than one (the driver keeps the others before `pre`)."""
+    from ray import serve
+
+    from omnistage.ray_serve.app import build_app
+
+    path = tmp_path / "sleepy.yaml"
+    path.write_text(SLEEPY_YAML)
+    app = build_app({"configs": [str(path)], "options": {"cpus_per_thread": 0.0}})
+    serve.run(app, name="sleepy", route_prefix=None, blocking=False, logging_config={"enable_access_log": False})
+    sleepy = ray_app.pipeline(str(path), app="sleepy")
+    try:
+        done = []
+        threads = [
+            threading.Thread(
+                target=lambda: done.append(sleepy.run({"x": torch.ones(2)}, {"sleeper": {"delay": 0.6}}, timeout=60))
+            )
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        most_in_sleeper, seen_one = 0, False
+        while any(t.is_alive() for t in threads):
+            stats = sleepy.stage_stats(timeout=5)["sleeper"]
+            held = stats.get("inflight", 0) + stats.get("queue_depth", 0)
+            most_in_sleeper = max(most_in_sleeper, held)
+            seen_one = seen_one or held == 1
+            time.sleep(0.02)
+        assert len(done) == 3 and all(torch.equal(d["y"], torch.ones(2)) for d in done)
+        assert seen_one, "never saw the sleeper working"
+        assert most_in_sleeper <= 1, "the edge let more than max_inflight requests through"
+    finally:
+        sleepy.close(0)
+        serve.delete("sleepy")
+
+
 def test_bench_quick_through_the_running_cluster(ray_app):
     """`omnistage bench runtime --backend ray --quick` (its own Serve application beside this
     module's): Ray's tokens equal embedded ones, and each figure comes from both systems."""
