@@ -3,8 +3,8 @@ json input port, and `audio`, the waveform output; tiny-omni's thinker says the 
 
 `voice` (and the extra field `seed`) go to the `speech_params:` stages that declare them, a
 voice the model lacks is a 400 from the stage naming `voice`. The answer is sent as the audio
-is made (chunked transfer; speech_audio.py: pcm and wav chunk by chunk, compressed formats
-once complete), or with `stream_format: "sse"` as `speech.audio.delta` events carrying base64
+is made (chunked transfer; speech_audio.py: pcm, wav, mp3, opus and aac as they are made,
+flac once complete), or with `stream_format: "sse"` as `speech.audio.delta` events carrying base64
 PCM16 and a closing `speech.audio.done` with usage. `speed` (0.25-4) changes the tempo and
 keeps the pitch. Not served (400 naming the field): `instructions` (no voice direction in
 these models), a voice object other than `{"id": name}`.

@@ -71,12 +71,13 @@ def test_compressed_formats_decode_to_the_same_length(omni, python_speech, fmt):
     assert expected <= samples.size <= expected + 4096, (samples.size, expected)
 
 
-def test_chunked_response_streams_the_same_bytes(omni, python_speech):
-    whole = _speech(omni, "pcm")
+@pytest.mark.parametrize(("fmt", "media_type"), [("pcm", "audio/pcm"), ("mp3", "audio/mpeg")])
+def test_chunked_response_streams_the_same_bytes(omni, python_speech, fmt, media_type):
+    whole = _speech(omni, fmt)
     with omni.audio.speech.with_streaming_response.create(
-        model="tiny-omni", voice="Chelsie", input=TEXT, response_format="pcm", extra_body={"seed": SEED}
+        model="tiny-omni", voice="Chelsie", input=TEXT, response_format=fmt, extra_body={"seed": SEED}
     ) as response:
-        assert response.headers["content-type"] == "audio/pcm"
+        assert response.headers["content-type"] == media_type
         pieces = [p for p in response.iter_bytes() if p]
     assert b"".join(pieces) == whole
     assert len(pieces) >= 2, len(pieces)  # sent as it was made, not one clip at the end
