@@ -158,7 +158,7 @@ class SessionConfig:
             "tools": [],
             "tool_choice": "auto",
             "tracing": None,
-            "truncation": "auto",
+            "truncation": "disabled",  # the whole conversation is sent every turn
             "include": None,
             "prompt": None,
             "temperature": self.temperature,
