@@ -34,6 +34,21 @@ def _add_ray_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP ingress (--backend ray)")
 
 
+def _add_jobs_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--jobs-db",
+        metavar="URL",
+        help="postgresql://... : a job store shared by several servers (sets OMNISTAGE_JOBS_DB; docs/jobs.md)",
+    )
+
+
+def _apply_jobs_options(args: argparse.Namespace) -> None:
+    import os
+
+    if getattr(args, "jobs_db", None):  # read by every ingress process's jobs service
+        os.environ["OMNISTAGE_JOBS_DB"] = args.jobs_db
+
+
 def _ray_options(args: argparse.Namespace):
     from omnistage.ray_serve.options import BackendOptions
 
@@ -100,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_ray_options(p)
+    _add_jobs_options(p)
     p.add_argument(
         "--backend",
         choices=["embedded", "ray"],
@@ -138,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _apply_jobs_options(args)
     if args.command in ("serve", "ray-config") and (args.command == "ray-config" or args.backend == "ray"):
         import importlib
 

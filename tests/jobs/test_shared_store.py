@@ -18,11 +18,11 @@ from omnistage.tests.jobs.conftest import image_job, jobs_env, start_jobs_server
 def two_servers(tmp_path_factory, postgres):
     base = tmp_path_factory.mktemp("jobs-shared")
     url = postgres.create_database(f"shared_{uuid.uuid4().hex[:12]}")
-    env = jobs_env(base / "jobs", OMNISTAGE_JOBS_DB=url, OMNISTAGE_JOBS_MAX_RUNNING="2")
+    env = jobs_env(base / "jobs", OMNISTAGE_JOBS_MAX_RUNNING="2")
     servers = []
-    try:
-        for name in ("a", "b"):
-            servers.append(start_jobs_server(["tiny-image"], base / f"server-{name}.log", env))
+    try:  # one is given the database by the serve option, the other by the environment
+        servers.append(start_jobs_server(["tiny-image", "--jobs-db", url], base / "server-a.log", env))
+        servers.append(start_jobs_server(["tiny-image"], base / "server-b.log", {**env, "OMNISTAGE_JOBS_DB": url}))
         for server in servers:
             server.wait_ready(timeout=300)
         yield servers, url
