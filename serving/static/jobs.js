@@ -62,6 +62,7 @@ function setStatus(text) {
 }
 
 function fail(error) {
+  if (error.name === "AbortError") return; // a newer job replaced the one being followed
   jobsState.error = String(error.message || error);
   setStatus(`error: ${jobsState.error}`);
   $("job-submit").disabled = false;

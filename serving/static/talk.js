@@ -148,6 +148,7 @@ class TalkSession {
       throw new Error("the microphone needs a secure page: open it as http://localhost, http://127.0.0.1 or https://");
     }
     this.context = new AudioContext({ latencyHint: "interactive" });
+    await this.context.resume(); // some browsers create it suspended until a gesture resumes it
     await this.context.audioWorklet.addModule("/static/pcm-capture.js");
     this.stream = await navigator.mediaDevices.getUserMedia({
       audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },

@@ -129,3 +129,18 @@ def test_cancel_button_cancels_the_running_job(demo_server, open_browser):
     assert state["percent"] < 100 and state["imageSize"] is None
     job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
     assert job["status"] == "canceled"
+
+
+def test_a_failed_job_shows_the_servers_error(demo_server, open_browser):
+    driver = open_browser()
+    open_demo(driver, demo_server, "jobs")
+    # more steps than the denoiser takes (max_inference_steps): the job fails when it runs
+    fill_job_form(driver, "tiny-image", prompt="too long", width=64, height=64, steps=5000, seed=1)
+    wait_for(driver, "/^(completed|failed|canceled|error)/.test(window.demo.jobs.status)", 120, "the job's end")
+    state = page_state(driver, "window.demo.jobs")
+    job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
+    assert job["status"] == "failed" and job["error"]["message"]
+    # the page shows the server's own message
+    assert state["error"] == job["error"]["message"]
+    assert state["status"] == f"failed: {job['error']['message']}"
+    assert page_state(driver, "document.getElementById('job-submit').disabled") is False
