@@ -1,4 +1,4 @@
-"""`omnistage` command line: serve, validate, schema, graph, bench.
+"""`omnistage` command line: serve, ray-config, validate, schema, graph, bench.
 
 Each subcommand imports its implementation lazily so `omnistage validate` stays fast.
 """
@@ -23,7 +23,14 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_ray_options(p: argparse.ArgumentParser) -> None:
+def _add_ray_options(p: argparse.ArgumentParser, backend: bool = False) -> None:
+    if backend:
+        p.add_argument(
+            "--backend",
+            choices=["embedded", "ray"],
+            default="embedded",
+            help="embedded: worker processes on this machine; ray: Ray Serve deployments (RAY_ADDRESS or a local Ray)",
+        )
     p.add_argument(
         "--ray-cpus-per-thread",
         type=float,
@@ -49,9 +56,22 @@ def _apply_jobs_options(args: argparse.Namespace) -> None:
         os.environ["OMNISTAGE_JOBS_DB"] = args.jobs_db
 
 
-def _ray_options(args: argparse.Namespace):
-    from omnistage.ray_serve.options import BackendOptions
+def _add_ray_config_parser(sub) -> None:
+    p = sub.add_parser(
+        "ray-config", help="print the Ray Serve config (serve run / serve deploy / KubeRay) of pipelines"
+    )
+    p.add_argument("configs", nargs="+", help="pipeline YAML files or names under configs/")
+    p.add_argument("--host", default="0.0.0.0", help="Serve's HTTP proxy address")
+    p.add_argument("--port", type=int, default=8000)
+    _add_ray_options(p)
+    _add_overrides(p)
 
+
+def _ray_options(args: argparse.Namespace):
+    import importlib
+
+    # the Ray backend sits above serving (it hosts the app as its ingress): reached by name
+    BackendOptions = importlib.import_module("omnistage.ray_serve.options").BackendOptions  # noqa: N806
     keys = list(getattr(args, "api_keys", []))
     drain = getattr(args, "drain_timeout", 30.0)
     return BackendOptions(args.ray_cpus_per_thread, args.ingress_replicas, drain_timeout=drain, api_keys=keys)
@@ -114,23 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--set tiny-llm:stages.llm.pool.threads=2",
     )
 
-    _add_ray_options(p)
+    _add_ray_options(p, backend=True)
     _add_jobs_options(p)
-    p.add_argument(
-        "--backend",
-        choices=["embedded", "ray"],
-        default="embedded",
-        help="embedded: worker processes on this machine; ray: Ray Serve deployments (RAY_ADDRESS or a local Ray)",
-    )
 
-    p = sub.add_parser(
-        "ray-config", help="print the Ray Serve config (serve run / serve deploy / KubeRay) of pipelines"
-    )
-    p.add_argument("configs", nargs="+", help="pipeline YAML files or names under configs/")
-    p.add_argument("--host", default="0.0.0.0", help="Serve's HTTP proxy address")
-    p.add_argument("--port", type=int, default=8000)
-    _add_ray_options(p)
-    _add_overrides(p)
+    _add_ray_config_parser(sub)
 
     p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
     p.add_argument("file")
