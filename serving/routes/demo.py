@@ -33,4 +33,6 @@ async def demo_page() -> FileResponse:
 async def demo_file(path: str, request: Request):
     response = await _files.get_response(path, request.scope)
     response.headers.update(_NO_STALE)
+    if path.endswith(".js"):  # module scripts need a JavaScript type, whatever the system's mime.types says
+        response.headers["content-type"] = "text/javascript; charset=utf-8"
     return response
