@@ -1,0 +1,102 @@
+"""A realtime session while the worker generating its answer (token2wav) is SIGKILLed, against a real
+`omnistage serve tiny-omni`: the response ends `failed` with `worker_died` (the session
+is told, not left waiting), the session stays open, and once the worker is back the next
+response in the same session completes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import websockets
+
+from omnistage.tests.api.conftest import live_server
+from omnistage.tests.serving.conftest import cmdline, descendants
+
+
+@pytest.fixture(scope="module")
+def omni_server(tmp_path_factory):
+    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
+        yield server
+
+
+def worker_pid(server, stage: str) -> int | None:
+    for pid in descendants(server.proc.pid):
+        if cmdline(pid).strip() == f"omnistage: tiny-omni/{stage}#0":
+            return pid
+    return None
+
+
+def inflight(server, stage: str) -> float:
+    want = f'omnistage_stage_inflight_requests{{pipeline="tiny-omni",replica="0",stage="{stage}"}}'
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(want):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def until(ws, kind: str, timeout: float = 180) -> tuple[dict, list[dict]]:
+    seen = []
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), max(0.1, end - loop.time())))
+        if event["type"] == kind:
+            return event, seen
+        seen.append(event)
+
+
+async def ask(ws, text: str, max_tokens: int) -> None:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+    await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": max_tokens}}))
+
+
+def test_killing_token2wav_mid_answer_fails_that_response_only(omni_server):
+    server = omni_server
+
+    async def session():
+        url = f"ws://127.0.0.1:{server.port}/v1/realtime?model=tiny-omni"
+        async with websockets.connect(url, max_size=None) as ws:
+            await until(ws, "session.created")
+            update = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+            await ws.send(json.dumps({"type": "session.update", "session": update}))
+            await until(ws, "session.updated")
+            await ask(ws, "tell me a long story", 400)
+            await until(ws, "response.created")
+            # kill token2wav while it holds the request (its engine's own count says so)
+            t0 = time.monotonic()
+            while inflight(server, "token2wav") == 0:
+                assert time.monotonic() - t0 < 120, "token2wav never got the request"
+                await asyncio.sleep(0.02)
+            victim = worker_pid(server, "token2wav")
+            assert victim
+            os.kill(victim, signal.SIGKILL)
+            done, _ = await until(ws, "response.done")
+            failed = done["response"]
+            # the worker comes back; the same session answers again
+            t0 = time.monotonic()
+            while httpx.get(f"{server.url}/ready", timeout=10).status_code != 200 or worker_pid(server, "talker") in (
+                None,
+                victim,
+            ):
+                assert time.monotonic() - t0 < 180, "token2wav not back"
+                await asyncio.sleep(0.1)
+            await ask(ws, "and now?", 8)
+            again, _ = await until(ws, "response.done")
+            return failed, again["response"]
+
+    failed, again = asyncio.run(session())
+    assert failed["status"] == "failed", failed
+    error = failed["status_details"]["error"]
+    assert error["code"] == "worker_died" and "token2wav" in error["message"], error
+    # a full answer: completed, or cut by its 8-token limit (not failed)
+    assert again["status"] == "completed" or again["status_details"] == {
+        "type": "incomplete",
+        "reason": "max_output_tokens",
+    }, again
