@@ -64,6 +64,9 @@ def serve_on_ray(
         return 2
     from omnistage.ray_serve.app import build_app
 
+    # the jobs store settings (--jobs-db sets OMNISTAGE_JOBS_DB) reach the ingress replicas
+    # on every node, not only those that inherit this process's environment
+    opts.ingress_env = {k: v for k, v in os.environ.items() if k.startswith("OMNISTAGE_JOBS_")}
     address = os.environ.get("RAY_ADDRESS")
     ray.init(address=address or None, num_cpus=None if address else os.cpu_count(), include_dashboard=False)
     stop = threading.Event()

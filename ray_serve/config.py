@@ -43,7 +43,7 @@ def serve_config(
             deployments.append(options)
     deployments.append(ingress_options(opts))
     # API keys never go into a file: replicas read OMNISTAGE_API_KEYS (set it in the runtime_env)
-    options = {k: v for k, v in opts.to_dict().items() if k != "api_keys"}
+    options = {k: v for k, v in opts.to_dict().items() if k not in ("api_keys", "ingress_env")}
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": host, "port": port},

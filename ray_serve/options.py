@@ -75,6 +75,8 @@ class BackendOptions:
     drain_timeout: float = 30.0
     # a stage replica's emits leave at most this often under a steady flow (replica.py)
     relay_interval_ms: float = 5.0
+    # environment of the ingress replicas (the jobs store settings the CLI was given)
+    ingress_env: dict[str, str] = field(default_factory=dict)
     api_keys: list[str] = field(default_factory=list)
 
     @classmethod
@@ -127,9 +129,12 @@ def autoscaling_config(scaling: dict[str, Any]) -> dict[str, Any]:
 
 
 def ingress_options(opts: BackendOptions) -> dict[str, Any]:
+    actor: dict[str, Any] = {"num_cpus": opts.ingress_cpus}
+    if opts.ingress_env:
+        actor["runtime_env"] = {"env_vars": dict(opts.ingress_env)}
     return {
         "name": INGRESS,
         "num_replicas": opts.ingress_replicas,
-        "ray_actor_options": {"num_cpus": opts.ingress_cpus},
+        "ray_actor_options": actor,
         "max_ongoing_requests": INGRESS_MAX_ONGOING,
     }

@@ -244,14 +244,17 @@ def test_bench_quick_through_the_running_cluster(ray_app):
     assert set(result["meets_targets"]) == {"ratios.ray_vs_embedded_throughput", "ray.request_overhead_ms_p50"}
 
 
-def test_the_cli_serves_on_a_running_cluster(ray_app):
+def test_the_cli_serves_on_a_running_cluster(ray_app, tmp_path):
     """`omnistage serve --backend ray` with RAY_ADDRESS set: it deploys its application on that
-    cluster (replacing this module's, so this test comes last), serves it, and on SIGTERM
+    cluster (replacing this module's, so this test comes last), serves it (its jobs store where
+    its OMNISTAGE_JOBS_DIR says, which the cluster's processes never had), and on SIGTERM
     deletes the application and leaves the cluster running."""
     import ray
     from ray import serve
 
+    jobs_dir = tmp_path / "jobs"
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONSAFEPATH": "1"}
+    env["OMNISTAGE_JOBS_DIR"] = str(jobs_dir)
     cmd = [sys.executable, "-m", "omnistage.serving.cli", "serve", "--backend", "ray", "tiny-llm"]
     cmd += ["--ray-cpus-per-thread", "0.2", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -270,6 +273,17 @@ def test_the_cli_serves_on_a_running_cluster(ray_app):
         body = {"model": "tiny-llm", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
         r = httpx.post(ray_app.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        job = {"model": "tiny-llm", "inputs": {"prompt": "hi"}, "params": {"llm": {"max_tokens": 2}}}
+        r = httpx.post(ray_app.url + "/v1/jobs", json=job, timeout=60)
+        assert r.status_code in (200, 201, 202), r.text
+        end = time.monotonic() + 60
+        while (status := httpx.get(f"{ray_app.url}/v1/jobs/{r.json()['id']}", timeout=10).json()["status"]) not in (
+            "completed",
+            "failed",
+        ):
+            assert time.monotonic() < end, status
+            time.sleep(0.2)
+        assert status == "completed" and any(jobs_dir.iterdir())  # the ingress got the CLI's setting
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
         assert "omnistage" not in serve.status().applications
