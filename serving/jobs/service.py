@@ -71,7 +71,8 @@ class JobService:
     # -- lifetime -----------------------------------------------------------------------------------
     async def start(self) -> None:
         self.config.outputs_dir.mkdir(parents=True, exist_ok=True)
-        self.recover()
+        # alone on its store, every running job was this server's; shared, only lapsed leases are dead
+        self.recover(time.time() if self.store.shared else math.inf)
         for coro in (self.admission.run(), self.scheduler.run(), self.sender.run(), self._sweep()):
             self._tasks.append(asyncio.create_task(coro))
 

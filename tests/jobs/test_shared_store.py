@@ -89,3 +89,31 @@ def test_a_job_is_read_and_canceled_through_the_other_server(two_servers):
         assert canceled["status"] == "canceled" and canceled["progress"]["done"] < 400
         again = client.delete(f"{other.url}/v1/jobs/{long['id']}")
         assert again.status_code == 409 and again.json()["error"]["code"] == "job_finished"
+
+
+def test_a_starting_server_requeues_only_jobs_whose_lease_lapsed(postgres, tmp_path):
+    import asyncio
+    import time
+
+    from omnistage.serving.jobs.model import Job, JobsConfig, JobStatus
+    from omnistage.serving.jobs.service import JobService
+    from omnistage.serving.jobs.store_pg import PostgresJobStore
+    from omnistage.serving.registry import PipelineRegistry
+
+    url = postgres.create_database(f"start_{uuid.uuid4().hex[:12]}")
+    store = PostgresJobStore(url)
+    try:
+        store.create_jobs([Job(id=f"job_{name}", model="m", inputs={}, params={}) for name in ("live", "dead")])
+        store.claim_queued("m", 1, runner="live-server", lease_until=time.time() + 60)
+        store.claim_queued("m", 1, runner="dead-server", lease_until=time.time() - 1)
+
+        async def start_and_stop():
+            service = JobService(PipelineRegistry(), JobsConfig(directory=tmp_path / "jobs", db_url=url))
+            await service.start()
+            await service.stop()
+
+        asyncio.run(start_and_stop())
+        assert store.get_job("job_live").status is JobStatus.IN_PROGRESS  # another server still runs it
+        assert store.get_job("job_dead").status is JobStatus.QUEUED  # its server is gone: it runs again
+    finally:
+        store.close()
