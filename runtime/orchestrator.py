@@ -58,7 +58,6 @@ from omnistage.runtime.shm import (
     release_all,
 )
 from omnistage.runtime.watchdog import check_steps, finish_drains, start_drain
-from omnistage.runtime.watchdog import check_steps, finish_drains, start_drain
 
 log = logging.getLogger("omnistage.runtime")
 
@@ -307,9 +306,6 @@ class Orchestrator:
                 if not self._stopping:
                     check_steps(self._all_replicas, self.spec)
                     finish_drains(self._all_replicas)
-                if not self._stopping:
-                    check_steps(self._all_replicas, self.spec)
-                    finish_drains(self._all_replicas)
 
     def _read_messages(self, r: Replica) -> bool:
         """Handle what a worker's pipe holds; False once the pipe is closed."""
@@ -346,8 +342,6 @@ class Orchestrator:
                 self._router.on_emit(r, emit)
         elif isinstance(msg, PermitsTaken):
             self._router.on_permits_taken(r, msg)
-        elif isinstance(msg, OverMemory):
-            start_drain(r, msg.rss)
         elif isinstance(msg, OverMemory):
             start_drain(r, msg.rss)
         elif isinstance(msg, StatsReply):
@@ -392,7 +386,6 @@ class Orchestrator:
                         "replica": r.index,
                         "ready": r.ready,
                         "restarts": r.restarts,
-                        "recycles": r.recycles,
                         "recycles": r.recycles,
                         "held_requests": len(r.requests),
                         **{k: v for k, v in r.last_stats.items() if k != "seq"},

@@ -59,7 +59,6 @@ from omnistage.runtime.shm import (
     worker_pool_prefix,
 )
 from omnistage.runtime.watchdog import MemoryWatch
-from omnistage.runtime.watchdog import MemoryWatch
 from omnistage.stages.base import Emission, StageContext, StageEngine
 from omnistage.stages.contracts import error_emission
 
@@ -174,7 +173,6 @@ class Worker:
         self.engine_stats_at = 0.0
         self.stats_dirty = True
         self.memory = MemoryWatch(self.spec.stages[cfg.stage].pool.max_rss_bytes)
-        self.memory = MemoryWatch(self.spec.stages[cfg.stage].pool.max_rss_bytes)
 
     # -- transport -------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -263,7 +261,6 @@ class Worker:
                 self._admit_waiting()
             if self.running and engine.has_work():
                 self._step()
-            self.memory.check(self.send)
             self.memory.check(self.send)
 
     def _drain(self, timeout: float | None) -> None:
