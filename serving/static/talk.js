@@ -26,6 +26,8 @@ export const talkState = {
   secondsScheduledByItem: {}, // assistant item id -> seconds of its audio scheduled
   schedule: [], // [item id, start on the audio clock, duration] of each chunk scheduled
   underruns: 0,
+  receivedPeak: 0, // the loudest sample of the answers received (1: full scale)
+  outputPeak: 0, // the loudest sample the meters saw leave for the speakers
   speechStarted: 0,
   truncatesSent: 0,
   truncations: [], // {item_id, audio_end_ms, scheduled_ms} of each conversation.item.truncate sent
@@ -43,6 +45,12 @@ const $ = (id) => document.getElementById(id);
 export class Player {
   constructor(context) {
     this.context = context;
+    // every chunk plays through one node, where an analyser measures what reaches the speakers
+    this.output = context.createGain();
+    this.output.connect(context.destination);
+    this.analyser = context.createAnalyser();
+    this.output.connect(this.analyser);
+    this.probe = new Float32Array(this.analyser.fftSize);
     this.pending = []; // AudioBuffers not yet scheduled
     this.pendingSeconds = 0;
     this.playing = []; // {source, start, duration} of the current item, in order
@@ -57,7 +65,12 @@ export class Player {
     const samples = new Int16Array(bytes.buffer, bytes.byteOffset, bytes.byteLength >> 1);
     const buffer = this.context.createBuffer(1, samples.length, RATE);
     const channel = buffer.getChannelData(0);
-    for (let i = 0; i < samples.length; i++) channel[i] = samples[i] / 0x8000;
+    let peak = talkState.receivedPeak;
+    for (let i = 0; i < samples.length; i++) {
+      channel[i] = samples[i] / 0x8000;
+      peak = Math.max(peak, Math.abs(channel[i]));
+    }
+    talkState.receivedPeak = peak;
     this.pending.push(buffer);
     this.pendingSeconds += buffer.duration;
     this.schedule();
@@ -80,7 +93,7 @@ export class Player {
     for (const buffer of this.pending) {
       const source = this.context.createBufferSource();
       source.buffer = buffer;
-      source.connect(this.context.destination);
+      source.connect(this.output);
       source.start(at);
       this.playing.push({ source, start: at, duration: buffer.duration });
       at += buffer.duration;
@@ -102,6 +115,15 @@ export class Player {
     let heard = 0;
     for (const chunk of this.playing) heard += Math.min(Math.max(now - chunk.start, 0), chunk.duration);
     return Math.floor(heard * 1000);
+  }
+
+  // The loudest sample of the last ~40 ms that went out to the speakers.
+  outputLevel() {
+    this.analyser.getFloatTimeDomainData(this.probe);
+    let peak = 0;
+    for (const v of this.probe) peak = Math.max(peak, Math.abs(v));
+    talkState.outputPeak = Math.max(talkState.outputPeak, peak);
+    return peak;
   }
 
   isAudible() {
@@ -169,7 +191,7 @@ class TalkSession {
     const sink = this.context.createGain();
     sink.gain.value = 0;
     microphone.connect(this.capture).connect(sink).connect(this.context.destination);
-    this.meterTimer = setInterval(() => this.updateMeters(), 100);
+    this.meterTimer = setInterval(() => this.updateMeters(), 50);
   }
 
   configure() {
@@ -313,6 +335,7 @@ class TalkSession {
   updateMeters() {
     $("mic-level").value = this.micLevel || 0;
     $("play-level").value = this.player ? Math.min(this.player.bufferedSeconds() / 2, 1) : 0;
+    if (this.player) $("out-level").value = this.player.outputLevel();
     const s = talkState;
     $("talk-counters").textContent =
       `sent ${(s.bytesSent / 2 / RATE).toFixed(1)} s · received ${s.audioDeltas} chunks ` +

@@ -68,6 +68,10 @@ def test_spoken_turn_is_answered_with_audio_and_transcript(demo_server, open_bro
     assert state["buffersScheduled"] == state["audioDeltas"]
     assert state["secondsScheduled"] == pytest.approx(state["audioBytesReceived"] / 2 / RATE, abs=1e-6)
     assert state["audioBytesReceived"] > 0 and state["truncatesSent"] == 0
+    # ... and rendered: the answer's samples reached the context's output (an analyser on the
+    # node every chunk plays through), never louder than what arrived
+    assert state["receivedPeak"] > 0
+    assert 0 < state["outputPeak"] <= state["receivedPeak"] * 1.1, (state["outputPeak"], state["receivedPeak"])
     # ... back to back on the audio clock: a chunk starts where the one before it ends, except
     # after an underrun (the next chunk came late), when it starts later, never earlier
     chunks = [(start, duration) for _, start, duration in state["schedule"]]
