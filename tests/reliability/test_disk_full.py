@@ -53,7 +53,8 @@ def wait_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict:
 
 def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_fs, tmp_path_factory):
     jobs_dir = small_fs / "jobs"
-    with live_server(tmp_path_factory, ["tiny-image"], env={"OMNISTAGE_JOBS_DIR": str(jobs_dir)}) as server:
+    args = ["tiny-image", "--drain-timeout", "3"]  # jobs stuck on the full disk would hold the drain
+    with live_server(tmp_path_factory, args, env={"OMNISTAGE_JOBS_DIR": str(jobs_dir)}) as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             first = client.post("/v1/jobs", json=JOB)
             assert first.status_code == 202, first.text
