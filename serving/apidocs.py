@@ -5,11 +5,13 @@ locked-down network cannot load."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 
 ASSETS_URL = "/docs-assets"
 
@@ -45,3 +47,23 @@ def install_api_docs(app: FastAPI) -> None:
             redoc_favicon_url=f"{root}{ASSETS_URL}/favicon.png",
             with_google_fonts=False,
         )
+
+
+def inline_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON Schema with its `$defs` written in place, for schemas put into a route's
+    `responses=` by hand: FastAPI copies those as they are, so a `#/$defs/...` reference would
+    point at the OpenAPI document's root, where nothing answers it."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)

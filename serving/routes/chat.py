@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from omnistage.serving.apidocs import inline_schema
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.routes.chat_audio import audio_params, message_audio, pcm16_b64, wants_audio
 from omnistage.serving.routes.chat_input import pipeline_inputs
@@ -29,6 +30,7 @@ from omnistage.serving.routes.textgen import (
     tokenizer_for,
     usage,
 )
+from omnistage.serving.tenancy import salt_by_key
 
 router = APIRouter(tags=["openai"])
 
@@ -59,14 +61,14 @@ def _stage_params(served: Served, body: ChatCompletionRequest, spoken: bool) -> 
 @router.post(
     "/v1/chat/completions",
     response_model=ChatCompletion,
-    responses={200: {"content": {"text/event-stream": {"schema": ChatCompletionChunk.model_json_schema()}}}},
+    responses={200: {"content": {"text/event-stream": {"schema": inline_schema(ChatCompletionChunk)}}}},
 )
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     served = served_pipeline(request, body.model, "chat")
     _check_unsupported(body)
     spoken = wants_audio(served, body)
     inputs = pipeline_inputs(served, body.messages)
-    params = _stage_params(served, body, spoken)
+    params = salt_by_key(request, served, _stage_params(served, body, spoken))
     tokenizer = tokenizer_for(served) if body.logprobs else None
     request_id = new_id("chatcmpl")
     if body.stream:

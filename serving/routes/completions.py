@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from omnistage.serving.apidocs import inline_schema
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.routes.chat_models import Usage
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
@@ -26,6 +27,7 @@ from omnistage.serving.routes.textgen import (
     tokenizer_for,
     usage,
 )
+from omnistage.serving.tenancy import salt_by_key
 
 router = APIRouter(tags=["openai"])
 
@@ -85,13 +87,13 @@ def _check(body: CompletionRequest) -> None:
 @router.post(
     "/v1/completions",
     response_model=Completion,
-    responses={200: {"content": {"text/event-stream": {"schema": Completion.model_json_schema()}}}},
+    responses={200: {"content": {"text/event-stream": {"schema": inline_schema(Completion)}}}},
 )
 async def completions(body: CompletionRequest, request: Request):
     served = served_pipeline(request, body.model, "completions")
     _check(body)
     inputs = {served.port("prompt"): _prompt(body)}
-    params = served.stage_params(body.sampling_fields(body.max_tokens, body.logprobs))
+    params = salt_by_key(request, served, served.stage_params(body.sampling_fields(body.max_tokens, body.logprobs)))
     tokenizer = tokenizer_for(served) if body.logprobs is not None else None
     request_id = new_id("cmpl")
     if body.stream:
