@@ -17,6 +17,10 @@ from typing import Any
 from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid
 
+MAX_IMAGE_PIXELS = 1 << 26  # 64 Mpx (8192 x 8192): decoded RGB stays under 200 MB
+AUDIO_RATE_RANGE = (4_000, 384_000)  # Hz: telephone audio to studio audio
+MAX_AUDIO_SECONDS = 20 * 60
+
 
 def decode_base64(data: str, param: str) -> bytes:
     try:
@@ -35,8 +39,16 @@ def _image_bytes(part: ImagePart, param: str) -> bytes:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data)) as img:  # reads the header only: the size is known before any pixel
+            if img.width * img.height > MAX_IMAGE_PIXELS:
+                raise invalid(
+                    f"{param} is {img.width}x{img.height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels",
+                    param,
+                    code="image_too_large",
+                )
             img.verify()
+    except Image.DecompressionBombError as exc:  # a size so large Pillow refuses to open it
+        raise invalid(f"{param} declares too many pixels: {exc}", param, code="image_too_large") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
     return data
@@ -47,23 +59,47 @@ def _audio_bytes(part: AudioPart, param: str) -> bytes:
     import soundfile
 
     try:
-        soundfile.info(io.BytesIO(data))
+        info = soundfile.info(io.BytesIO(data))
+        rate, seconds = info.samplerate, info.duration
     except (RuntimeError, soundfile.LibsndfileError) as exc:  # mp3/ogg that libsndfile cannot read: try PyAV
-        if not _pyav_decodes(data):
+        found = _pyav_rate_and_seconds(data)
+        if found is None:
             raise invalid(
                 f"{param}.data is not decodable {part.input_audio.format} audio", f"{param}.data", code="invalid_audio"
             ) from exc
+        rate, seconds = found
+    _check_audio_size(rate, seconds, f"{param}.data")
     return data
 
 
-def _pyav_decodes(data: bytes) -> bool:
+def _check_audio_size(rate: int, seconds: float, param: str) -> None:
+    """Refuse what would cost memory out of proportion to the body: resampling a 1 Hz file to
+    16 kHz multiplies its samples by 16,000; an hour of audio decodes to ~230 MB."""
+    low, high = AUDIO_RATE_RANGE
+    if not low <= rate <= high:
+        message = f"{param} has a sample rate of {rate} Hz; audio input must be sampled at {low}-{high} Hz"
+        raise invalid(message, param, code="invalid_sample_rate")
+    if seconds > MAX_AUDIO_SECONDS:
+        message = f"{param} lasts {seconds:.0f} s; audio input may last at most {MAX_AUDIO_SECONDS} s"
+        raise invalid(message, param, code="audio_too_long")
+
+
+def _pyav_rate_and_seconds(data: bytes) -> tuple[int, float] | None:
+    """(sample rate, seconds) of the first audio stream, None when it does not decode; stops
+    decoding as soon as the audio is longer than allowed."""
     import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
-            return any(True for _ in container.decode(audio=0))
+            rate = container.streams.audio[0].codec_context.sample_rate or 0
+            samples = 0
+            for frame in container.decode(audio=0):
+                samples += frame.samples
+                if rate and samples / rate > MAX_AUDIO_SECONDS:
+                    break
+            return (rate, samples / rate if rate else 0.0) if samples else None
     except (av.error.FFmpegError, ValueError, IndexError):
-        return False
+        return None
 
 
 def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, Any]:

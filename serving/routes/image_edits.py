@@ -19,6 +19,7 @@ import torch
 from fastapi import APIRouter, Form, Request, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnistage.serving.routes.chat_input import MAX_IMAGE_PIXELS
 from omnistage.serving.routes.images import (
     MAX_IMAGES,
     MAX_PARTIAL_IMAGES,
@@ -73,9 +74,13 @@ async def _pixels(upload: UploadFile) -> np.ndarray:
     raw = await upload.read()
     try:
         with Image.open(io.BytesIO(raw)) as img:
-            return np.asarray(img.convert("RGB"))
+            too_large = img.width * img.height > MAX_IMAGE_PIXELS  # from the header, before any pixel
+            if not too_large:
+                return np.asarray(img.convert("RGB"))
     except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
         raise invalid(f"image is not a decodable image: {exc}", "image", code="invalid_image") from exc
+    message = f"image is {img.width}x{img.height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels"
+    raise invalid(message, "image", code="image_too_large")
 
 
 @router.post(

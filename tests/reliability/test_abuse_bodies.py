@@ -1,0 +1,186 @@
+"""Hostile bodies against a live `omnistage serve tiny-llm tiny-omni tiny-image`: each is
+refused with a clear OpenAI-style 4xx before it costs memory, and the server stays healthy.
+
+"Before it costs memory" is judged on the server's own processes: the peak resident memory
+(VmHWM) of every process of the server grows by less than a small fraction of what the
+refused input would decode to (a 10,000 x 10,000 image is 300 MB of RGB; a one-second
+1 Hz file resampled to 16 kHz is 16,000x its samples)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from omnistage.tests.api.conftest import live_server
+
+MB = 1 << 20
+PEAK_GROWTH_LIMIT = 64 * MB  # the smallest refused input below decodes to ~300 MB
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with live_server(tmp_path_factory, ["tiny-llm", "tiny-omni", "tiny-image"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client
+
+
+def _tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _peaks(root: int) -> dict[int, int]:
+    """Peak RSS in bytes of each process of the tree (VmHWM: never goes down)."""
+    peaks = {}
+    for pid in _tree(root):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                peaks[pid] = int(line.split()[1]) * 1024
+    return peaks
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A valid PNG header for width x height RGB over one compressed row: a few hundred bytes."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    row = zlib.compress(b"\x00" * (1 + width * 3), 9)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", row) + chunk(b"IEND", b"")
+
+
+def _webp_declaring(width: int, height: int) -> bytes:
+    """A lossless WebP of one colour, its header rewritten to width x height (~44 bytes):
+    every pixel of a one-colour VP8L image decodes from zero bits, so it stays valid."""
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(buf, "WEBP", lossless=True)
+    data = bytearray(buf.getvalue())
+    assert data[12:16] == b"VP8L"
+    bits = int.from_bytes(data[21:25], "little") & ~((1 << 28) - 1)
+    data[21:25] = (bits | (width - 1) | ((height - 1) << 14)).to_bytes(4, "little")
+    return bytes(data)
+
+
+def _wav(rate: int, samples: int) -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(samples, dtype=np.float32), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _flac_silence(rate: int, seconds: int) -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(rate * seconds, dtype=np.int16), rate, format="FLAC")
+    return buf.getvalue()
+
+
+def _chat_with(part: dict) -> dict:
+    content = [{"type": "text", "text": "what is this?"}, part]
+    return {"model": "tiny-omni", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+
+
+def _image(data: bytes, kind: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": f"data:image/{kind};base64,{base64.b64encode(data).decode()}"}}
+
+
+def _audio(data: bytes, fmt: str) -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def _refused(response: httpx.Response, status: int, code: str, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error", error
+    assert error["message"], error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_oversized_and_deeply_nested_json_are_400s(http):
+    big = b'{"model": "tiny-llm", "prompt": "' + b"a" * (5 * MB) + b'"}'
+    _refused(
+        http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413, "body_too_large"
+    )
+    nested = '{"model": "tiny-llm", "messages": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    response = http.post("/v1/chat/completions", content=nested, headers={"content-type": "application/json"})
+    assert "nested" in _refused(response, 400, "invalid_json")["message"]
+    nested_objects = '{"a":' * 50_000 + "1" + "}" * 50_000
+    _refused(
+        http.post("/v1/completions", content=nested_objects, headers={"content-type": "application/json"}),
+        400,
+        "invalid_json",
+    )
+
+
+def test_prompts_past_the_context_are_400s_naming_the_context(http):
+    long = "hello " * 5000  # ~5,000 tokens; tiny-llm's context is 2,048
+    response = http.post("/v1/completions", json={"model": "tiny-llm", "prompt": long, "max_tokens": 2})
+    assert "context" in _refused(response, 400, "invalid_request_error", "prompt")["message"]
+    messages = [{"role": "user", "content": long}]
+    response = http.post("/v1/chat/completions", json={"model": "tiny-llm", "messages": messages, "max_tokens": 2})
+    assert "context" in _refused(response, 400, "invalid_request_error", "prompt")["message"]
+    messages = [{"role": "user", "content": long}]
+    response = http.post("/v1/chat/completions", json={"model": "tiny-omni", "messages": messages, "max_tokens": 2})
+    assert "context" in _refused(response, 400, "invalid_request_error")["message"]
+
+
+def test_decompression_bombs_and_absurd_audio_are_refused_before_they_cost_memory(server, http):
+    # warm up the decoders every refused input below would reach, so their imports are not counted
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, "PNG")
+    small = _image(buf.getvalue(), "png")
+    assert http.post("/v1/chat/completions", json=_chat_with(small)).status_code == 200
+    assert http.post("/v1/chat/completions", json=_chat_with(_audio(_wav(16000, 1600), "wav"))).status_code == 200
+    before = _peaks(server.proc.pid)
+    image_param = "messages[0].content[1].image_url"
+    audio_param = "messages[0].content[1].input_audio.data"
+    cases = [
+        (_image(_png_declaring(50_000, 50_000), "png"), "image_too_large", image_param),
+        (_image(_png_declaring(10_000, 10_000), "png"), "image_too_large", image_param),
+        (_image(_webp_declaring(10_000, 10_000), "webp"), "image_too_large", image_param),
+        (_audio(_wav(1, 16_000), "wav"), "invalid_sample_rate", audio_param),
+        (_audio(_wav(10_000_000, 16_000), "wav"), "invalid_sample_rate", audio_param),
+        (_audio(_flac_silence(4000, 21 * 60), "flac"), "audio_too_long", audio_param),
+    ]
+    for part, code, param in cases:
+        body = _chat_with(part)
+        assert len(httpx.Request("POST", "/", json=body).content) < 1 * MB  # inside the body limit
+        _refused(http.post("/v1/chat/completions", json=body), 400, code, param)
+    upload = {"image": ("bomb.webp", _webp_declaring(10_000, 10_000), "image/webp")}
+    response = http.post("/v1/images/edits", data={"model": "tiny-image", "prompt": "a cat"}, files=upload)
+    _refused(response, 400, "image_too_large", "image")
+    after = _peaks(server.proc.pid)
+    growth = {pid: after[pid] - before[pid] for pid in before if pid in after}
+    assert max(growth.values()) < PEAK_GROWTH_LIMIT, {pid: g // MB for pid, g in growth.items()}
+    assert http.get("/health").status_code == 200
+    assert http.post("/v1/chat/completions", json=_chat_with(small)).status_code == 200
