@@ -5,7 +5,8 @@ The files live in `<jobs directory>/images/` (the jobs directory of serving/jobs
 for what the server writes; OMNISTAGE_JOBS_DIR moves both), each named by a random 128-bit
 id, so a URL cannot be guessed. A file older than OMNISTAGE_IMAGE_URL_TTL_S (default one
 hour, as OpenAI's image URLs) is answered 404 and deleted at the next write. The route sits
-behind the same API-key check as every other route.
+behind the same API-key check as every other route and answers only the key that asked for the
+image (another key gets 404, as for a file that does not exist).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
 from omnistage.errors import NotFoundError
+from omnistage.serving.jobs.owners import owner_of
 from omnistage.serving.media import FORMATS_BY_PORT_TYPE
 
 router = APIRouter(tags=["openai"])
@@ -92,12 +94,24 @@ def image_store(request: Request) -> ImageFileStore:
 
 
 def image_url(request: Request, name: str) -> str:
+    """The file's URL; with API keys configured, the file is readable with this request's key only."""
+    owner = owner_of(request)
+    if owner is not None:  # written before the URL is answered, so no reader comes first
+        (image_store(request).directory / f".{name}.owner").write_text(owner)
     return str(request.url_for("image_file", name=name))
+
+
+def _owned_by(request: Request, path: Path) -> bool:
+    owner = owner_of(request)
+    if owner is None:
+        return True
+    marker = path.with_name(f".{path.name}.owner")
+    return marker.is_file() and marker.read_text() == owner
 
 
 @router.get("/v1/images/files/{name}", name="image_file", response_class=FileResponse)
 async def image_file(name: str, request: Request):
     path = image_store(request).path(name)
-    if path is None:
+    if path is None or not _owned_by(request, path):  # another key's file is as absent as a missing one
         raise NotFoundError(f"no image file {name!r} (image URLs expire after their retention period)")
     return FileResponse(path, media_type=MEDIA_TYPES[path.suffix[1:]])

@@ -205,3 +205,15 @@ def test_webhooks_to_internal_addresses_are_refused_and_redirects_not_followed(s
         finally:
             outer.shutdown()
             inner.shutdown()
+
+
+def test_an_image_url_is_readable_with_the_key_that_asked_for_it_only(server):
+    body = {"model": "tiny-image", "prompt": "a red cube", "size": "32x32", "response_format": "url"}
+    body |= {"num_inference_steps": 2, "seed": 1}
+    with _client(server, KEY_A) as a, _client(server, KEY_B) as b:
+        answer = a.post("/v1/images/generations", json=body)
+        assert answer.status_code == 200, answer.text
+        url = answer.json()["data"][0]["url"]
+        assert a.get(url).status_code == 200 and a.get(url).content.startswith(b"\x89PNG")
+        refused = b.get(url)
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found", refused.text
