@@ -89,15 +89,15 @@ export class Player {
       this.starved = true;
     }
     if (!running && !this.flushing && this.pendingSeconds < PREBUFFER_S) return;
-    let at = Math.max(this.endAt, now + LEAD_S);
+    let at = running ? this.endAt : now + LEAD_S; // while one plays, the next joins it seamlessly
     for (const buffer of this.pending) {
       const source = this.context.createBufferSource();
       source.buffer = buffer;
       source.connect(this.output);
       source.start(at);
       this.playing.push({ source, start: at, duration: buffer.duration });
-      at += buffer.duration;
       if (talkState.schedule.length < MAX_SCHEDULE_RECORDS) talkState.schedule.push([this.itemId, at, buffer.duration]);
+      at += buffer.duration;
       talkState.buffersScheduled++;
       talkState.secondsScheduled += buffer.duration;
       const byItem = talkState.secondsScheduledByItem;

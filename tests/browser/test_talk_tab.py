@@ -26,8 +26,9 @@ RATE = 24000
 FRAME_BYTES = 480 * 2  # 20 ms of pcm16 at 24 kHz
 # the page reports an error or a closed socket: no point waiting for an answer
 GAVE_UP = "window.demo.talk.errors.length || window.demo.talk.status.startsWith('closed')"
-LEADING_SILENCE_S = 0.3
-LONG_ANSWER_TOKENS = 160  # of speech-browser.wav; the controlled microphone skips it
+LEADING_SILENCE_S = 0.3  # of speech-browser.wav; the controlled microphone skips it
+LONG_ANSWER_TOKENS = 160
+HEARD_MS = 100  # of the answer, before the test speaks over it
 
 
 def start_talking(driver, max_tokens: int | None = None) -> None:
@@ -90,10 +91,11 @@ def test_spoken_turn_is_answered_with_audio_and_transcript(demo_server, open_bro
 
 # A microphone the test controls: getUserMedia gives the page a MediaStream that carries the
 # speech clip each time testMic.speak() plays it, and silence in between. It speaks again
-# by itself as soon as the page has scheduled the first audio of an answer.
+# by itself once the first audio of an answer has played for HEARD_S.
 CONTROLLED_MICROPHONE = """
 const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
 const skip = arguments[1];
+const HEARD_S = arguments[2];
 const context = new AudioContext();
 const out = context.createMediaStreamDestination();
 const mic = (window.testMic = { clip: null, spoken: 0 });
@@ -107,7 +109,8 @@ mic.speak = () => {
 };
 navigator.mediaDevices.getUserMedia = async () => out.stream;
 const watch = setInterval(() => {
-  if (mic.spoken === 1 && window.demo.talk.buffersScheduled >= 1) {
+  const talk = window.demo.talk; // capturedUntil: the page's audio clock, every 20 ms
+  if (mic.spoken === 1 && talk.schedule.length && talk.capturedUntil >= talk.schedule[0][1] + HEARD_S) {
     mic.speak();
     clearInterval(watch);
   }
@@ -119,7 +122,7 @@ def test_speaking_over_the_answer_interrupts_it(demo_server, open_browser):
     driver = open_browser()
     open_demo(driver, demo_server, "talk")
     clip = base64.b64encode(SPEECH.read_bytes()).decode()
-    driver.execute_script(CONTROLLED_MICROPHONE, clip, LEADING_SILENCE_S)
+    driver.execute_script(CONTROLLED_MICROPHONE, clip, LEADING_SILENCE_S, HEARD_MS / 1000)
     wait_for(driver, "window.testMic.clip", 10, "the clip decoded")
     # a long answer (the tiny model's random text runs to the limit), so that the second
     # sentence lands while it is still being generated, however slow the machine
@@ -144,7 +147,7 @@ def test_speaking_over_the_answer_interrupts_it(demo_server, open_browser):
     assert confirmed["item_id"] == sent["item_id"]
     assert confirmed["audio_end_ms"] == sent["audio_end_ms"]
     # what was heard is a part of what had been scheduled when the user spoke...
-    assert 0 < sent["audio_end_ms"] <= sent["scheduled_ms"]
+    assert HEARD_MS <= sent["audio_end_ms"] <= sent["scheduled_ms"]
     # ... and nothing more of that answer was scheduled after it
     assert state["secondsScheduledByItem"][sent["item_id"]] * 1000 == pytest.approx(sent["scheduled_ms"])
     assert state["responseStatuses"][0] == "cancelled"
@@ -164,13 +167,15 @@ const [paceMs, count, done] = arguments;
   const item = `pace-${paceMs}`;
   const before = talkState.underruns;
   const chunk = new Uint8Array(2400 * 2); // 100 ms at 24 kHz
+  const pushedAt = [];
   for (let i = 0; i < count; i++) {
+    pushedAt.push(context.currentTime);
     player.push(item, chunk);
     await new Promise((r) => setTimeout(r, paceMs));
   }
   player.finish();
   const chunks = talkState.schedule.filter(([id]) => id === item).map(([, start, d]) => [start, d]);
-  done({ chunks, underruns: talkState.underruns - before, state: context.state });
+  done({ chunks, pushedAt, underruns: talkState.underruns - before, state: context.state });
   context.close();
 })().catch((e) => done({ error: String(e) }));
 """
@@ -189,7 +194,11 @@ def test_player_schedules_chunks_back_to_back(demo_server, open_browser, pace_ms
     assert all(step >= -1e-9 for step in steps), steps  # never overlapping
     gaps = sum(1 for step in steps if step > 1e-6)
     assert gaps == result["underruns"], (steps, result["underruns"])
+    # a chunk that came while the one before it was still to play starts exactly at its end
+    # (timers run late on a busy machine: what counts is when each chunk really came)
+    early = [i for i in range(1, 10) if result["pushedAt"][i] < chunks[i - 1][0] + chunks[i - 1][1] - 0.01]
+    assert all(steps[i - 1] == 0 for i in early), (early, steps)
     if late:  # each came after the one before had played out: rebuffer 120 ms (2 chunks), play
         assert result["underruns"] >= 3, result
-    else:  # all of them while the one before still played: one seamless stream
-        assert result["underruns"] == 0 and gaps == 0, steps
+    else:  # most while the one before still played: one seamless stream
+        assert len(early) >= 5, result
