@@ -145,10 +145,12 @@ class Scheduler:
 
     async def _stream(self, job: Job, pipeline: Any, live: LiveVideo | None) -> dict[str, Any]:
         from omnistage.serving.routes.pipelines import _to_inputs
+        from omnistage.serving.tenancy import salted
 
         inputs = _to_inputs(pipeline.spec, job.inputs)
         chunks: dict[str, list[Any]] = {p: [] for p in pipeline.spec.outputs}
-        stream = pipeline.stream(inputs, job.params, request_id=f"{job.id}-{job.attempts}")
+        params = salted(pipeline.spec, job.params, job.owner)  # one key's prompts never warm another's cache
+        stream = pipeline.stream(inputs, params, request_id=f"{job.id}-{job.attempts}")
         last_progress: tuple[int, int] | None = None
         try:
             async for chunk in stream:

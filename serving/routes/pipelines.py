@@ -27,7 +27,9 @@ from omnistage.errors import InvalidRequestError, OmnistageError
 from omnistage.serving.catalog import describe_pipeline
 from omnistage.serving.deps import get_pipeline, get_registry, unless_disconnected
 from omnistage.serving.errors import ModelNotFoundError
+from omnistage.serving.jobs.owners import owner_of
 from omnistage.serving.media import MediaFormat, encode_media, format_for_accept, media_json, parse_output_formats
+from omnistage.serving.tenancy import salted
 from omnistage.streaming.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_event
 
 router = APIRouter(tags=["pipelines"])
@@ -125,9 +127,10 @@ async def run_pipeline(name: str, body: RunRequest, request: Request):
     if as_file is not None and body.stream:
         raise InvalidRequestError(f"Accept: {as_file.media_type} answers a whole file; drop stream", param="stream")
     request_id = f"run-{uuid.uuid4().hex[:16]}"
+    params = salted(spec, body.params, owner_of(request))
     if not body.stream:
         outputs = await unless_disconnected(
-            request, pipeline.generate(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
+            request, pipeline.generate(inputs, params, request_id=request_id, deadline_s=body.timeout)
         )
         if as_file is not None:
             data = encode_media(outputs.get(as_file.port), as_file)
@@ -142,11 +145,11 @@ async def run_pipeline(name: str, body: RunRequest, request: Request):
             "model": name,
             "outputs": {port: _port_json(port, v, formats) for port, v in outputs.items()},
         }
-    return await _stream_response(request, pipeline, body, inputs, formats, request_id)
+    return await _stream_response(request, pipeline, body, inputs, params, formats, request_id)
 
 
-async def _stream_response(request, pipeline, body, inputs, formats, request_id) -> StreamingResponse:
-    stream = pipeline.stream(inputs, body.params, request_id=request_id, deadline_s=body.timeout)
+async def _stream_response(request, pipeline, body, inputs, params, formats, request_id) -> StreamingResponse:
+    stream = pipeline.stream(inputs, params, request_id=request_id, deadline_s=body.timeout)
     # Wait for the first chunk before any byte is sent: a refusal at admission (400, 503, ...)
     # raises here and leaves with its own status instead of inside a 200 stream.
     # A failure or cancellation inside anext() finishes the generator (its own finally aborts

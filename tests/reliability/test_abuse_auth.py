@@ -19,6 +19,7 @@ import http.server
 import re
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -110,22 +111,36 @@ def test_every_route_of_the_route_table_refuses_a_missing_or_wrong_key(server):
         assert asyncio.run(handshake(url, subprotocols=["openai-insecure-api-key.sk-wrong"])) == 403, path
 
 
-def _cached_tokens(client: httpx.Client, route: str, body: dict) -> int:
+def _cached_tokens(client: httpx.Client, route: str, text: str) -> int:
+    """cached_tokens of one request of `text` through `route` (a job: submitted, then waited for)."""
+    if route == "/v1/chat/completions":
+        body = {"model": "tiny-llm", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    elif route == "/v1/completions":
+        body = {"model": "tiny-llm", "max_tokens": 1, "prompt": text}
+    else:
+        body = {"inputs": {"prompt": text}, "params": {"llm": {"max_tokens": 1}}}
+        body |= {"model": "tiny-llm"} if route == "/v1/jobs" else {}
     answer = client.post(route, json=body)
-    assert answer.status_code == 200, answer.text
+    assert answer.status_code in (200, 202), answer.text
+    if route == "/v1/jobs":
+        deadline = time.monotonic() + 60
+        while (job := client.get(f"/v1/jobs/{answer.json()['id']}").json())["status"] != "completed":
+            assert job["status"] in ("queued", "in_progress") and time.monotonic() < deadline, job
+            time.sleep(0.05)
+        return job["outputs"]["info"]["usage"]["cached_tokens"]
+    if route.startswith("/v1/pipelines"):
+        return answer.json()["outputs"]["info"]["usage"]["cached_tokens"]
     return answer.json()["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/pipelines/tiny-llm/run", "/v1/jobs"])
 def test_one_keys_prompt_is_never_a_cache_hit_for_another(server, route):
-    text = f"tenant A's private notes for {route}: " + "the quick brown fox jumps over the lazy dog " * 12
-    body = {"model": "tiny-llm", "max_tokens": 1}
-    body |= {"messages": [{"role": "user", "content": text}]} if "chat" in route else {"prompt": text}
+    text = f"{uuid.uuid4().hex} tenant A's private notes: " + "the quick brown fox jumps over the lazy dog " * 12
     with _client(server, KEY_A) as a, _client(server, KEY_B) as b:
-        assert _cached_tokens(a, route, body) == 0  # a prompt no one sent before
-        assert _cached_tokens(a, route, body) >= 64  # A's repeat reuses A's blocks
-        assert _cached_tokens(b, route, body) == 0  # B gets nothing from A's blocks
-        assert _cached_tokens(b, route, body) >= 64  # ... but from its own
+        assert _cached_tokens(a, route, text) == 0  # a prompt no one sent before
+        assert _cached_tokens(a, route, text) >= 64  # A's repeat reuses A's blocks
+        assert _cached_tokens(b, route, text) == 0  # B gets nothing from A's blocks
+        assert _cached_tokens(b, route, text) >= 64  # ... but from its own
 
 
 class _Receiver(http.server.ThreadingHTTPServer):
