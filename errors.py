@@ -21,6 +21,12 @@ class InvalidRequestError(OmnistageError):
         self.param = param
 
 
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt does not fit the model's context (OpenAI's code for it)."""
+
+    code = "context_length_exceeded"
+
+
 class OverloadedError(OmnistageError):
     """The pipeline's intake queue is full; the request was rejected at once."""
 

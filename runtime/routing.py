@@ -249,8 +249,8 @@ class Router:
             return
         if msg.error is not None:
             self.release_unrouted(stage, msg.outputs)
-            if msg.error_kind == "invalid_request":
-                self.finish(req, InvalidRequestError(f"stage {stage!r}: {msg.error}", param=msg.param), "invalid")
+            if msg.error_kind.partition(":")[0] == "invalid_request":
+                self.finish(req, _invalid(stage, msg), "invalid")
             else:
                 self.finish(req, StageError(stage, msg.error), "error")
             return
@@ -283,3 +283,12 @@ class Router:
                 self.release_permit(idx)
         if not req.open_stages:
             self.finish(req, None, "ok")
+
+
+def _invalid(stage: str, msg: Emit) -> InvalidRequestError:
+    """The request's own fault reported by a stage, with the stage's error code when it sent one."""
+    err = InvalidRequestError(f"stage {stage!r}: {msg.error}", param=msg.param)
+    code = msg.error_kind.partition(":")[2]
+    if code:
+        err.code = code
+    return err

@@ -89,7 +89,8 @@ class Emission:
     outputs: dict[str, Any] = field(default_factory=dict)
     finished: bool = False
     error: str | None = None
-    # "invalid_request": the request's own fault (HTTP 400); "internal": the stage failed (500).
+    # "invalid_request": the request's own fault (HTTP 400), "invalid_request:CODE" with a specific
+    # error code (context_length_exceeded); "internal": the stage failed (500).
     error_kind: str = "internal"
     progress: tuple[int, int] | None = None
     param: str | None = None  # the request parameter an invalid_request error is about

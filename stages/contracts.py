@@ -66,7 +66,9 @@ def error_emission(request_id: str, exc: BaseException) -> Emission:
     """The failure of one request: InvalidRequestError is the request's own fault (400, its
     message as is); anything else is a stage failure (500, with the exception type)."""
     if isinstance(exc, InvalidRequestError):
-        return Emission(request_id, finished=True, error=str(exc), error_kind="invalid_request", param=exc.param)
+        # a specific code (context_length_exceeded) travels as "invalid_request:CODE"
+        kind = "invalid_request" if exc.code == InvalidRequestError.code else f"invalid_request:{exc.code}"
+        return Emission(request_id, finished=True, error=str(exc), error_kind=kind, param=exc.param)
     return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind="internal")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import ContextLengthExceededError, InvalidRequestError
 from omnistage.stages.ar.config import ModelConfig, SamplingParams
 
 
@@ -59,7 +59,7 @@ class RequestChecker:
             token_ids = self._token_ids(prompt_token_ids)
             num_prompt = len(token_ids)
         if num_prompt + 1 > self.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthExceededError(
                 f"prompt has {num_prompt} tokens; this model's context is {self.max_model_len} tokens "
                 f"(the prompt plus at least one generated token must fit)",
                 param="prompt",

@@ -88,7 +88,9 @@ def test_prompt_under_the_character_bound_but_over_the_context_is_refused_by_its
     assert len(text) < limit
     stage.add(StageRequest("long", {"prompt": text}, dict(GOOD)))
     err = _only(drain(stage)["long"])
-    assert err.error_kind == "invalid_request" and err.param == "prompt" and "tokens" in err.error
+    assert (
+        err.error_kind == "invalid_request:context_length_exceeded" and err.param == "prompt" and "tokens" in err.error
+    )
 
 
 def test_character_bound_is_sound_for_this_tokenizer(stage, hf_tokenizer):

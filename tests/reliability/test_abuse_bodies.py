@@ -145,13 +145,13 @@ def test_oversized_and_deeply_nested_json_are_400s(http):
 def test_prompts_past_the_context_are_400s_naming_the_context(http):
     long = "hello " * 5000  # ~5,000 tokens; tiny-llm's context is 2,048
     response = http.post("/v1/completions", json={"model": "tiny-llm", "prompt": long, "max_tokens": 2})
-    assert "context" in _refused(response, 400, "invalid_request_error", "prompt")["message"]
+    assert "context" in _refused(response, 400, "context_length_exceeded", "prompt")["message"]
     messages = [{"role": "user", "content": long}]
     response = http.post("/v1/chat/completions", json={"model": "tiny-llm", "messages": messages, "max_tokens": 2})
-    assert "context" in _refused(response, 400, "invalid_request_error", "prompt")["message"]
+    assert "context" in _refused(response, 400, "context_length_exceeded", "prompt")["message"]
     messages = [{"role": "user", "content": long}]
     response = http.post("/v1/chat/completions", json={"model": "tiny-omni", "messages": messages, "max_tokens": 2})
-    assert "context" in _refused(response, 400, "invalid_request_error")["message"]
+    assert "context" in _refused(response, 400, "context_length_exceeded")["message"]
 
 
 def test_decompression_bombs_and_absurd_audio_are_refused_before_they_cost_memory(server, http):
