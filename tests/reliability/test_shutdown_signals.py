@@ -41,11 +41,30 @@ def stop_group(proc: subprocess.Popen, sig: int) -> tuple[set[int], float]:
     return group, time.monotonic() - t0
 
 
+def running(pid: int) -> bool:
+    """The process exists and has not exited. A zombie has exited: reaping an orphan is the
+    init process's job, and a container's init may never do it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_gone(group: set[int], timeout: float = 15) -> list[int]:
+    """The processes of `group` still running after up to `timeout` seconds (a SIGKILLed
+    process with much memory takes a moment to be torn down)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(running(p) for p in group):
+        time.sleep(0.1)
+    return [p for p in group if running(p)]
+
+
 def assert_nothing_left(pid: int, group: set[int]) -> None:
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and (owned_segments(pid) or any(os.path.exists(f"/proc/{p}") for p in group)):
+    while time.monotonic() < deadline and (owned_segments(pid) or any(running(p) for p in group)):
         time.sleep(0.1)
-    left = {p: cmdline(p) for p in group if os.path.exists(f"/proc/{p}")}
+    left = {p: cmdline(p) for p in group if running(p)}
     assert not left, left
     assert not owned_segments(pid), owned_segments(pid)
 
@@ -142,4 +161,4 @@ def test_a_later_start_reaps_the_files_of_a_group_killed_with_sigkill(tmp_path):
     assert left, "a SIGKILL of the whole group should leave the files this test wants reaped"
     with Pipeline.from_yaml("tiny-diamond"):
         assert not owned_segments(proc.pid)
-    assert not [p for p in group if os.path.exists(f"/proc/{p}")]
+    assert not wait_gone(group)
