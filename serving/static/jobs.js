@@ -18,6 +18,7 @@ export const jobsState = {
   videoTransport: null, // "websocket" | "http": where the video's events and bytes came from
   bytesAppended: 0, // of those, bytes the SourceBuffer took
   streamed: false, // the video played from the stream (MSE), not from the finished file
+  streamEnded: false, // every received piece went into the SourceBuffer and the stream was closed
   imageUrl: null,
   imageSize: null, // [naturalWidth, naturalHeight] once the image has loaded
   videoUrl: null,
@@ -78,7 +79,7 @@ function resetView(kind) {
   controller = new AbortController();
   Object.assign(jobsState, {
     kind, percent: 0, events: [], progressEvents: 0, previews: 0, segments: 0, bytesAppended: 0, videoTransport: null,
-    streamed: false, imageUrl: null, imageSize: null, videoUrl: null, error: null,
+    streamed: false, streamEnded: false, imageUrl: null, imageSize: null, videoUrl: null, error: null,
   });
   $("job-progress").value = 0;
   $("job-previews").replaceChildren();
@@ -214,6 +215,7 @@ class StreamPlayer {
       if (this.video.paused) this.video.play().catch(() => {});
     } else if (this.ended && this.source.readyState === "open") {
       this.source.endOfStream();
+      jobsState.streamEnded = true;
     }
   }
 }

@@ -90,10 +90,13 @@ def test_video_job_plays_from_its_stream(demo_server, open_browser):
     fill_job_form(driver, "tiny-video", prompt="waves", width=32, height=32, steps=3, frames=17, seed=2)
     wait_for(driver, "/^(completed|failed|canceled|error)/.test(window.demo.jobs.status)", 300, "the video job")
     wait_for(driver, "document.getElementById('job-video').readyState >= 1", 30, "the video's metadata")
+    # segments still queued behind an append in progress go in after the completed event
+    wait_for(driver, "!window.demo.jobs.streamed || window.demo.jobs.streamEnded", 30, "the stream's last append")
     state = page_state(driver, "window.demo.jobs")
 
     assert state["error"] is None and state["status"] == "completed" and state["percent"] == 100
     assert state["streamed"], "the page did not play the fMP4 stream through Media Source Extensions"
+    assert state["streamEnded"]
     # a keyed browser can open the job's websocket (the key rides as ?api_key=)
     assert state["videoTransport"] == "websocket", "WS /v1/jobs/{id}/stream refused the page's ?api_key="
     job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
