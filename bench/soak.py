@@ -6,11 +6,12 @@ their mean latency per kind), warm-up (the same clients, each pausing 0.25 x its
 calibrated latency between requests, so each is busy ~80% of the time), the soak itself
 (the same load for N minutes), then idle. The server's process tree is measured while idle
 right before the soak ("start") and right after it ("end"): KV blocks held (/metrics),
-/dev/shm/omnistage-<server pid>-* files, open file descriptors, threads, processes, RSS per
-process. Last, the server gets SIGTERM and what survives it is counted.
+shared-memory segments still held by a reader (the pool files kept for reuse are reported
+apart, as shm_pool_files), open file descriptors other than those on the pool files,
+threads, processes, RSS per process. Last, the server gets SIGTERM and what survives it is counted.
 
 JSON: leaks {kv_blocks, shm_segments, fds, threads, processes} (growth from start to end,
-0 when clean), after_stop {processes, shm_segments}, errors_5xx (5xx answers and in-band
+0 when clean; fds_opened lists what new descriptors point to), after_stop {processes, shm_segments}, errors_5xx (5xx answers and in-band
 stream errors), rss_growth_pct (the largest growth of one process), p99_s per kind over the
 soak's first and last fifth, requests per kind. The numbers are the server's own; the
 clients run in this process.
@@ -83,26 +84,61 @@ def _metric_sum(url: str, name: str) -> float:
 def tree_resources(root: int) -> dict:
     """Open file descriptors, threads, processes and RSS per process of `root`'s tree."""
     pids = process_tree(root)
-    fds = 0
+    targets: list[str] = []
     for pid in pids:
         try:
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
         except OSError:
             pass
+    # descriptors on the runtime's shared-memory pool files follow the pools' size, which a
+    # held-segment count judges; the rest must not grow
+    others = [t for t in targets if not t.startswith("/dev/shm/omnistage-")]
     return {
-        "fds": fds,
+        "fds": len(others),
+        "fd_targets": others,
         "threads": sum(_status_field(pid, "Threads") for pid in pids),
         "processes": len(pids),
         "rss_kib": {str(pid): _status_field(pid, "VmRSS") for pid in pids},
     }
 
 
+def _new_targets(before: list[str], after: list[str]) -> list[str]:
+    """What the descriptors open at the end and not at the start point to (a multiset difference)."""
+    left = list(before)
+    new = []
+    for t in after:
+        if t in left:
+            left.remove(t)
+        else:
+            new.append(t)
+    return new
+
+
+def _segment_held(path: str) -> bool:
+    """A segment some reader has not released (runtime/shm.py's header: byte 0 = readers,
+    then one released flag per reader). Pools keep free segments for reuse, so a pool that
+    grew to a new high-water mark is not a leak; a segment still held at idle is."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    n = head[0] if head else 0
+    return n > 0 and head[1 : 1 + n] != b"\x01" * n
+
+
 def snapshot(server_pid: int, url: str) -> dict:
     """The server tree's resources, taken while no request runs."""
     held = _metric_sum(url, "omnistage_engine_kv_blocks_total") - _metric_sum(url, "omnistage_engine_kv_blocks_free")
+    files = [os.path.join("/dev/shm", f) for f in os.listdir("/dev/shm") if f.startswith(f"omnistage-{server_pid}-")]
     return {
         "kv_blocks": int(held),
-        "shm_segments": sum(1 for f in os.listdir("/dev/shm") if f.startswith(f"omnistage-{server_pid}-")),
+        "shm_segments": sum(1 for f in files if _segment_held(f)),
+        "shm_files": len(files),
         **tree_resources(server_pid),
     }
 
@@ -142,6 +178,11 @@ def _phase(url: str, seconds: float, think: dict[str, float]) -> list[Outcome]:
     return outcomes
 
 
+# idle time before a snapshot: longer than uvicorn's keep-alive timeout (5 s), so the clients'
+# idle connections are closed on the server's side too
+IDLE_S = 6.0
+
+
 def _window_p99(outcomes: list[Outcome], lo: float, hi: float) -> dict[str, float]:
     return {
         kind: round(p99([o.seconds for o in outcomes if o.kind == kind and lo <= o.start < hi]), 4) for kind in CLIENTS
@@ -160,12 +201,12 @@ def run(minutes: float, workdir: Path, log=print) -> dict:
         think = {k: round((1 / BUSY_FRACTION - 1) * _mean([o.seconds for o in cal if o.kind == k]), 4) for k in CLIENTS}
         log(f"calibrated: think time per kind {think}")
         _phase(url, max(5.0, 0.2 * soak_s), think)  # warm-up: pools and caches reach their size
-        time.sleep(2.0)
+        time.sleep(IDLE_S)
         start = snapshot(proc.pid, url)
         t0 = time.monotonic()
         log(f"soak: {minutes:g} min of mixed traffic")
         outcomes = _phase(url, soak_s, think)
-        time.sleep(2.0)
+        time.sleep(IDLE_S)
         end = snapshot(proc.pid, url)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -193,7 +234,9 @@ def run(minutes: float, workdir: Path, log=print) -> dict:
         "failed": sum(1 for o in outcomes if not o.ok),
         "errors_5xx": sum(1 for o in outcomes if o.status >= 500 or (o.status == 200 and o.code)),
         "leaks": {k: max(0, end[k] - start[k]) for k in ("kv_blocks", "shm_segments", "fds", "threads", "processes")},
+        "fds_opened": _new_targets(start["fd_targets"], end["fd_targets"]),
         "kv_blocks_held_at_end": end["kv_blocks"],
+        "shm_pool_files": {"start": start["shm_files"], "end": end["shm_files"]},
         "after_stop": {"processes": len(survivors), "shm_segments": len(left_files)},
         "rss_growth_pct": round(max(growth, default=0.0), 2),
         "p99_s": {
