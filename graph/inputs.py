@@ -13,6 +13,7 @@ stage sees it, instead of failing inside a stage's module.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,32 @@ def check_inputs(spec: Any, inputs: Mapping[str, Any]) -> None:
             problem = tensor_spec.problem(inputs[port])
             if problem is not None:
                 raise InvalidRequestError(f"input {port!r} {problem}", param=f"inputs.{port}")
+
+
+def check_request(
+    spec: Any, inputs: Any, params: dict[str, dict] | None, deadline: float | None
+) -> tuple[dict[str, dict], float | None]:
+    """The admission checks every runtime backend makes before a request touches a stage:
+    inputs a dict of known ports (none missing when the pipeline has inputs) with their
+    declared shapes, params only for known stages. Returns the params as a new dict and the
+    deadline, defaulted from the pipeline's `default_deadline_s`."""
+    if not isinstance(inputs, dict):
+        raise InvalidRequestError("inputs must be a dict {pipeline input port: value}")
+    unknown = set(inputs) - set(spec.inputs)
+    if unknown:
+        raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
+    if spec.inputs and not inputs:
+        raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
+    check_inputs(spec, inputs)  # declared shapes/dtypes: 400 before any stage
+    params = dict(params or {})
+    bad = set(params) - set(spec.stages)
+    if bad:
+        raise InvalidRequestError(
+            f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
+        )
+    if deadline is None and spec.default_deadline_s:
+        deadline = time.time() + spec.default_deadline_s
+    return params, deadline
 
 
 def parse_port(node: MapNode, where: str, report: Report, port_types: tuple[str, ...]) -> tuple[str, TensorSpec] | None:

@@ -29,7 +29,7 @@ from omnistage.errors import (
     RequestCancelledError,
     WorkerDiedError,
 )
-from omnistage.graph.inputs import check_inputs
+from omnistage.graph.inputs import check_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
 from omnistage.ray_serve.calls import DriverPermits, ReplicaLink, StageCall
 from omnistage.ray_serve.options import deployment_name
@@ -168,22 +168,7 @@ class RayDriver:
         deadline: float | None = None,
     ) -> str:
         spec = self.spec
-        if not isinstance(inputs, dict):
-            raise InvalidRequestError("inputs must be a dict {pipeline input port: value}")
-        unknown = set(inputs) - set(spec.inputs)
-        if unknown:
-            raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
-        if spec.inputs and not inputs:
-            raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
-        check_inputs(spec, inputs)
-        params = dict(params or {})
-        bad = set(params) - set(spec.stages)
-        if bad:
-            raise InvalidRequestError(
-                f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
-            )
-        if deadline is None and spec.default_deadline_s:
-            deadline = time.time() + spec.default_deadline_s
+        params, deadline = check_request(spec, inputs, params, deadline)
         rid = request_id or uuid.uuid4().hex
         with self._lock:
             if self.closing or self.closed or not self.started:

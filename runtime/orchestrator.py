@@ -32,7 +32,7 @@ from omnistage.errors import (
     RequestCancelledError,
     StageError,
 )
-from omnistage.graph.inputs import check_inputs
+from omnistage.graph.inputs import check_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
 from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import (
@@ -206,22 +206,7 @@ class Orchestrator:
         deadline: float | None = None,
     ) -> str:
         spec = self.spec
-        if not isinstance(inputs, dict):
-            raise InvalidRequestError("inputs must be a dict {pipeline input port: value}")
-        unknown = set(inputs) - set(spec.inputs)
-        if unknown:
-            raise InvalidRequestError(f"unknown pipeline input(s) {sorted(unknown)}; inputs are {sorted(spec.inputs)}")
-        if spec.inputs and not inputs:
-            raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
-        check_inputs(spec, inputs)  # declared shapes/dtypes (graph/inputs.py): 400 before any stage
-        params = dict(params or {})
-        bad = set(params) - set(spec.stages)
-        if bad:
-            raise InvalidRequestError(
-                f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
-            )
-        if deadline is None and spec.default_deadline_s:
-            deadline = time.time() + spec.default_deadline_s
+        params, deadline = check_request(spec, inputs, params, deadline)
         rid = request_id or uuid.uuid4().hex
         # copy input tensors into shared memory before taking the lock (a 64 MiB copy must not
         # stall routing); the slots are released again if the request is not admitted
