@@ -54,6 +54,7 @@ FAMILIES: dict[str, Family] = {
                 ),
                 "audio_in": Role("inputs", ("audio",), False, "input port taking the messages' input_audio parts"),
                 "images_in": Role("inputs", ("image",), False, "input port taking the messages' image_url parts"),
+                "videos_in": Role("inputs", ("video",), False, "input port taking the messages' video_url parts"),
             },
             ("text",),
             ("text",),
@@ -113,7 +114,11 @@ class ServeSpec:
         fam = FAMILIES[self.family]
         given, out = list(fam.modalities_in), list(fam.modalities_out)
         if self.family == "chat":
-            given += [m for role, m in (("audio_in", "audio"), ("images_in", "image")) if role in self.ports]
+            given += [
+                m
+                for role, m in (("audio_in", "audio"), ("images_in", "image"), ("videos_in", "video"))
+                if role in self.ports
+            ]
             out += ["audio"] if "audio" in self.ports else []
         if self.family == "images" and "image_in" in self.ports:
             given.append("image")

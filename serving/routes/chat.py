@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from omnistage.serving.apidocs import inline_schema
 from omnistage.serving.deps import unless_disconnected
@@ -67,7 +68,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     served = served_pipeline(request, body.model, "chat")
     _check_unsupported(body)
     spoken = wants_audio(served, body)
-    inputs = pipeline_inputs(served, body.messages)
+    inputs = await run_in_threadpool(pipeline_inputs, served, body.messages)  # media checks decode: off the loop
     params = salt_by_key(request, served, _stage_params(served, body, spoken))
     tokenizer = tokenizer_for(served) if body.logprobs else None
     request_id = new_id("chatcmpl")

@@ -1,9 +1,9 @@
 """Chat messages (OpenAI's shape) -> the pipeline's input ports.
 
-Text parts are joined into the message's text. `input_audio` and `image_url` parts go to the
-`audio_in` / `images_in` roles' ports when the pipeline declares them: each becomes a
-{"type": "audio"} / {"type": "image"} part in place and its encoded bytes an entry of that
-port's list, in order. Media are decoded here first, so a bad one is a 400 naming its field.
+Text parts are joined into the message's text. `input_audio`, `image_url` and `video_url` parts
+go to the `audio_in` / `images_in` / `videos_in` roles' ports when the pipeline declares them:
+each becomes a {"type": "audio"} / {"type": "image"} / {"type": "video"} part in place and its
+encoded bytes an entry of that port's list, in order (videos are checked by chat_video.py). Media are decoded here first, so a bad one is a 400 naming its field.
 Remote (http/https) image URLs are refused: the server fetches nothing.
 """
 
@@ -14,7 +14,8 @@ import binascii
 import io
 from typing import Any
 
-from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart
+from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
+from omnistage.serving.routes.chat_video import video_bytes
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid
 
 MAX_IMAGE_PIXELS = 1 << 26  # 64 Mpx (8192 x 8192): decoded RGB stays under 200 MB
@@ -103,9 +104,10 @@ def _pyav_rate_and_seconds(data: bytes) -> tuple[int, float] | None:
 
 
 def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, Any]:
-    audio_port, images_port = served.port("audio_in"), served.port("images_in")
+    audio_port, images_port, videos_port = served.port("audio_in"), served.port("images_in"), served.port("videos_in")
     audio: list[bytes] = []
     images: list[bytes] = []
+    videos: list[bytes] = []
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
@@ -130,7 +132,12 @@ def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, An
                 if audio_port is None:
                     raise UnsupportedError(f"the model {served.name!r} takes no audio", param=param)
                 parts.append({"type": "audio"})
-        if audio_port is None and images_port is None:
+            elif isinstance(part, VideoPart):  # the model first: checking a video costs a decode
+                if videos_port is None:
+                    raise UnsupportedError(f"the model {served.name!r} takes no videos", param=param)
+                videos.append(video_bytes(part, f"{param}.video_url"))
+                parts.append({"type": "video"})
+        if audio_port is None and images_port is None and videos_port is None:
             out.append({"role": role, "content": "".join(p["text"] for p in parts)})
         else:
             out.append({"role": role, "content": parts})
@@ -139,4 +146,6 @@ def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, An
         inputs[audio_port] = audio
     if images:
         inputs[images_port] = images
+    if videos:
+        inputs[videos_port] = videos
     return inputs

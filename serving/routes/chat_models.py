@@ -34,7 +34,16 @@ class AudioPart(BaseModel):
     input_audio: InputAudio
 
 
-ContentPart = TextPart | ImagePart | AudioPart
+class VideoURL(BaseModel):
+    url: str = Field(description="a data:video/...;base64,... URL (MP4, WebM, MKV, ...)")
+
+
+class VideoPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = TextPart | ImagePart | AudioPart | VideoPart
 
 
 class ChatMessage(BaseModel):

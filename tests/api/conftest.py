@@ -74,3 +74,12 @@ def omni(omni_server):
     import openai
 
     return openai.OpenAI(base_url=omni_server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def omni_pipeline():
+    """tiny-omni through the Python API: the judge of the omni routes' tests (one for all)."""
+    from omnistage import Pipeline
+
+    with Pipeline.from_yaml("tiny-omni", ready_timeout=600) as p:
+        yield p

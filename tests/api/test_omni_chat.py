@@ -40,17 +40,14 @@ SAMPLING = dict(temperature=0, max_tokens=8, seed=0)
 
 
 @pytest.fixture(scope="module")
-def python_reply():
-    from omnistage import Pipeline
-
+def python_reply(omni_pipeline):
     messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this?"}]}]
     params = {
         "thinker": {"temperature": 0.0, "max_tokens": 8, "seed": 0, "modalities": ["text", "audio"]},
         "talker": {"voice": "Ethan", "seed": 0},
         "token2wav": {"seed": 0},  # the route sends the seed to every speech_params stage
     }
-    with Pipeline.from_yaml("tiny-omni", ready_timeout=600) as p:
-        return p.run({"messages": messages, "audio": [base64.b64decode(WAV)]}, params, timeout=300)
+    return omni_pipeline.run({"messages": messages, "audio": [base64.b64decode(WAV)]}, params, timeout=300)
 
 
 def test_spoken_reply_equals_the_python_api(omni, python_reply):

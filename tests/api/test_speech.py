@@ -23,13 +23,10 @@ SR = 24_000
 
 
 @pytest.fixture(scope="module")
-def python_speech() -> np.ndarray:
-    from omnistage import Pipeline
-
-    with Pipeline.from_yaml("tiny-omni", ready_timeout=600) as p:
-        out = p.run(
-            {"speak": TEXT}, {"talker": {"voice": "Chelsie", "seed": SEED}, "token2wav": {"seed": SEED}}, timeout=300
-        )
+def python_speech(omni_pipeline) -> np.ndarray:
+    out = omni_pipeline.run(
+        {"speak": TEXT}, {"talker": {"voice": "Chelsie", "seed": SEED}, "token2wav": {"seed": SEED}}, timeout=300
+    )
     audio = np.asarray(out["audio"], dtype=np.float32).reshape(-1)
     assert audio.size > 0
     return audio
