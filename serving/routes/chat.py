@@ -22,7 +22,7 @@ from omnistage.serving.routes.chat_audio import audio_params, message_audio, pcm
 from omnistage.serving.routes.chat_input import pipeline_inputs
 from omnistage.serving.routes.chat_models import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
-from omnistage.serving.routes.streams import first_then_rest, sse_stream
+from omnistage.serving.routes.streams import TextDelta, first_then_rest, sse_stream
 from omnistage.serving.routes.textgen import (
     chat_logprobs,
     check_stream_options,
@@ -147,7 +147,7 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
         speech_info = {} if speech_info_port is not None else None
         async for item in first:
             if item.port == text_port and item.data and not spoken:
-                yield content_event(item.data)
+                yield TextDelta(item.data, content_event)  # merged with its neighbours if queued
             elif item.port == text_port and item.data:
                 delta = {"audio": {"id": audio_id, "transcript": item.data}}
                 yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])

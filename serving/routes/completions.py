@@ -17,7 +17,7 @@ from omnistage.serving.apidocs import inline_schema
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.routes.chat_models import Usage
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
-from omnistage.serving.routes.streams import first_then_rest, sse_stream
+from omnistage.serving.routes.streams import TEXT_SLOT, TextDelta, first_then_rest, spliced_encoder, sse_stream
 from omnistage.serving.routes.textgen import (
     SamplingFields,
     check_stream_options,
@@ -130,11 +130,13 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
         base = {"id": request_id, "object": "text_completion", "created": created, "model": served.name}
         return {**base, "choices": choices, **extra}
 
+    text_event = spliced_encoder(chunk([{"index": 0, "text": TEXT_SLOT, "logprobs": None, "finish_reason": None}]))
+
     async def events():
         info = None
         async for item in first:
             if item.port == text_port and item.data:
-                yield chunk([{"index": 0, "text": item.data, "logprobs": None, "finish_reason": None}])
+                yield TextDelta(item.data, text_event)  # merged with its neighbours if queued
             elif item.port == info_port and item.data is not None:
                 info = item.data
         for c in choices_of("", info, body.n):

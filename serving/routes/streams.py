@@ -5,7 +5,9 @@ a failure after the headers in-band in OpenAI's error shape, and end with `data:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -39,6 +41,51 @@ def error_event(err: OmnistageError) -> dict[str, Any]:
     return error_body(str(err), status=err.status, code=err.code, param=getattr(err, "param", None))
 
 
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """A streamed text delta and how its event is encoded (`encode(text)` -> the event's JSON).
+    Deltas of one encoder still queued when the writer comes round leave as one event with
+    their texts joined: a stream whose server fell behind sends fewer, longer deltas instead
+    of a backlog of one-token events, which keeps both ends' cost per token down."""
+
+    text: str
+    encode: Callable[[str], str]
+
+
+TEXT_SLOT = "\x00"
+
+
+def spliced_encoder(event: dict[str, Any]) -> Callable[[str], str]:
+    """An encoder for TextDelta: `event` with TEXT_SLOT where the text goes, encoded once; each
+    call splices the JSON string of its text in (the bytes json.dumps gives for the event)."""
+    head, tail = json.dumps(event, separators=(",", ":"), ensure_ascii=False).split('"\\u0000"')
+    return lambda text: head + json.dumps(text, ensure_ascii=False) + tail
+
+
+def _frames(parts: list[Any]) -> bytes:
+    """The SSE bytes of queued events, adjacent TextDeltas of one encoder merged."""
+    out: list[bytes] = []
+    texts: list[str] = []
+    encode = None
+    for part in parts:
+        if isinstance(part, TextDelta) and (encode is None or part.encode is encode):
+            encode = part.encode
+            texts.append(part.text)
+            continue
+        if encode is not None:
+            out.append(sse_event(encode("".join(texts))))
+            texts, encode = [], None
+        if isinstance(part, TextDelta):
+            encode, texts = part.encode, [part.text]
+        elif isinstance(part, tuple):
+            out.append(sse_event(part[1], event=part[0]))
+        elif part is not _END and not isinstance(part, BaseException):
+            out.append(sse_event(part))
+    if encode is not None:
+        out.append(sse_event(encode("".join(texts))))
+    return b"".join(out)
+
+
 # Encoded events a stream may hold ahead of its client: beyond this the producer waits for the
 # socket (backpressure), as when each event was written before the next was made.
 COALESCE_MAX_EVENTS = 256
@@ -46,23 +93,25 @@ _END = object()
 
 
 async def _encoded(events: AsyncIterator[Any], queue: asyncio.Queue) -> None:
-    """Producer: every event encoded, an in-band error event, or the exception, then _END."""
+    """Producer: every event (encoded by the writer), an in-band error event, or the
+    exception, then _END."""
     try:
         async for item in events:
-            await queue.put(sse_event(item[1], event=item[0]) if isinstance(item, tuple) else sse_event(item))
+            await queue.put(item)
     except OmnistageError as err:  # headers are gone: report the error in-band
-        await queue.put(sse_event(error_event(err)))
+        await queue.put(error_event(err))
     except Exception as exc:  # noqa: BLE001 - re-raised by the consumer, in the response
         await queue.put(exc)
     await queue.put(_END)
 
 
 def sse_stream(events: AsyncIterator[Any], stream: Any, *, done: bool = True) -> StreamingResponse:
-    """Events (dicts, or (event_name, dict) pairs) as an SSE response; `stream` (the
-    pipeline's) is closed however the response ends, which aborts unfinished work.
+    """Events (dicts, (event_name, dict) pairs, or TextDeltas) as an SSE response; `stream`
+    (the pipeline's) is closed however the response ends, which aborts unfinished work.
 
-    Events made while the previous write was under way leave together in one write: under
-    load a response sends one chunk per wake-up of its task, not one per token."""
+    Events made while the previous write was under way leave together in one write (and
+    their TextDeltas as one event): under load a response sends one chunk per wake-up of its
+    task, not one per token."""
 
     async def body():
         queue: asyncio.Queue = asyncio.Queue(COALESCE_MAX_EVENTS)
@@ -74,7 +123,7 @@ def sse_stream(events: AsyncIterator[Any], stream: Any, *, done: bool = True) ->
                     parts.append(queue.get_nowait())
                 failure = next((p for p in parts if isinstance(p, BaseException)), None)
                 end = failure is not None or parts[-1] is _END
-                data = b"".join(p for p in parts if isinstance(p, bytes))
+                data = _frames(parts)
                 if end and failure is None and done:
                     data += SSE_DONE
                 if data:
