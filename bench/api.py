@@ -13,6 +13,10 @@ http's (`--repeats`, default 3; `--quick`: 1). Reported per repeat and as the me
 repeats with min and max: ratios.http_vs_python_throughput_c64 (target >= 0.9) and
 http_overhead_ms.ttft_p50_c1 (http TTFT p50 minus python's at concurrency 1; target <= 2);
 `systems` holds the repeat whose throughput ratio is the median.
+Each level also reports the CPU time per completion token of every process taking part
+(`cpu_us_per_token`: the caller or client in this process, the server's main process, the
+stage workers), and the run records the load average at its start and end: on a shared machine
+the wall-clock figures move with the load, the CPU cost per token much less.
 """
 
 from __future__ import annotations
@@ -91,17 +95,54 @@ async def _http_one(client, i: int, max_tokens: int) -> tuple[float, int]:
     return (ttft if ttft is not None else time.perf_counter() - start), tokens
 
 
-async def _level(one, concurrency: int, total: int) -> dict[str, Any]:
-    """`total` requests, at most `concurrency` in flight."""
+def _cpu_s(pid: int) -> float:
+    """CPU seconds all threads of a process have run so far (schedstat: nanoseconds, where
+    /proc/PID/stat counts 10 ms ticks); threads that ended meanwhile are not counted."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total / 1e9
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (the server's fork server and stage workers)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return sorted(found)
+
+
+async def _level(one, concurrency: int, total: int, processes: dict[str, list[int]]) -> dict[str, Any]:
+    """`total` requests, at most `concurrency` in flight; `processes`: role -> pids whose CPU
+    time per token is reported."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(i):
         async with gate:
             return await one(i)
 
+    cpu_before = {role: sum(_cpu_s(p) for p in pids) for role, pids in processes.items()}
     start = time.perf_counter()
     results = await asyncio.gather(*(gated(i) for i in range(total)))
     wall = time.perf_counter() - start
+    cpu = {role: sum(_cpu_s(p) for p in pids) - cpu_before[role] for role, pids in processes.items()}
     ttfts = sorted(r[0] * 1000 for r in results)
     tokens = sum(r[1] for r in results)
     return {
@@ -111,16 +152,19 @@ async def _level(one, concurrency: int, total: int) -> dict[str, Any]:
         "tokens": tokens,
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
+        "cpu_us_per_token": {role: 1e6 * seconds / max(1, tokens) for role, seconds in cpu.items()},
     }
 
 
-async def _phase(one, plan: Plan, progress: bool, name: str) -> dict[str, Any]:
+async def _phase(one, plan: Plan, progress: bool, name: str, processes: dict[str, list[int]]) -> dict[str, Any]:
     await one(0)  # warm-up (prefix cache, connections), not counted
     out = {}
     for c in plan.concurrencies:
-        out[f"c{c}"] = await _level(one, c, plan.requests_per_level[c])
+        out[f"c{c}"] = await _level(one, c, plan.requests_per_level[c], processes)
         if progress:
-            print(f"[bench api] {name} c={c}: {out[f'c{c}']['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+            level = out[f"c{c}"]
+            cpu = ", ".join(f"{role} {us:.0f}" for role, us in level["cpu_us_per_token"].items())
+            print(f"[bench api] {name} c={c}: {level['tokens_per_s']:.0f} tok/s (CPU us/token: {cpu})", file=sys.stderr)
     return out
 
 
@@ -156,12 +200,15 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("omnistage serve did not become ready")
 
 
-async def _http_phase(url: str, plan: Plan, progress: bool) -> dict[str, Any]:
+async def _http_phase(url: str, plan: Plan, progress: bool, server_pid: int) -> dict[str, Any]:
     import httpx
 
-    limits = httpx.Limits(max_connections=max(plan.concurrencies) + 4)
+    # Idle connections are dropped before uvicorn's 5 s keep-alive ends, so the client never
+    # sends a request on a connection the server is closing (a ReadError on a loaded machine).
+    limits = httpx.Limits(max_connections=max(plan.concurrencies) + 4, keepalive_expiry=2.0)
+    processes = {"client": [os.getpid()], "server": [server_pid], "stage_workers": _descendants(server_pid)}
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        return await _phase(lambda i: _http_one(client, i, plan.max_tokens), plan, progress, "http")
+        return await _phase(lambda i: _http_one(client, i, plan.max_tokens), plan, progress, "http", processes)
 
 
 def _figures(plan: Plan, python: dict[str, Any], http: dict[str, Any]) -> dict[str, float]:
@@ -182,16 +229,21 @@ def run_bench(quick: bool, progress: bool = True, repeats: int | None = None) ->
     plan = Plan.make(quick)
     repeats = repeats or (1 if quick else 3)
     runs: list[dict[str, Any]] = []
+    load_start = os.getloadavg()
     with Pipeline.from_yaml("tiny-llm") as pipeline, tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         proc = _serve(port, Path(tmp))
+        workers = [pid for pids in pipeline.worker_pids().values() for pid in pids if pid is not None]
+        python_processes = {"caller": [os.getpid()], "stage_workers": workers}
         try:
             _wait_ready(f"http://127.0.0.1:{port}", proc)
             for _ in range(repeats):
                 python = asyncio.run(
-                    _phase(lambda i: _python_one(pipeline, i, plan.max_tokens), plan, progress, "python")
+                    _phase(
+                        lambda i: _python_one(pipeline, i, plan.max_tokens), plan, progress, "python", python_processes
+                    )
                 )
-                http = asyncio.run(_http_phase(f"http://127.0.0.1:{port}", plan, progress))
+                http = asyncio.run(_http_phase(f"http://127.0.0.1:{port}", plan, progress, proc.pid))
                 runs.append({"python": python, "http": http, "figures": _figures(plan, python, http)})
         finally:
             proc.terminate()
@@ -209,6 +261,7 @@ def run_bench(quick: bool, progress: bool = True, repeats: int | None = None) ->
         "http_overhead_ms": {"ttft_p50_c1": spread["ttft_p50_c1"]["median"]},
         "spread": spread,
         "targets": {k: {"op": op, "value": v} for k, (op, v) in TARGETS.items()},
+        "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
     }
 
 

@@ -32,9 +32,15 @@ def test_quick_bench_writes_both_systems(tmp_path):
             expected = python[level]["requests"] * result["plan"]["max_tokens"]
             assert python[level]["tokens"] == http[level]["tokens"] == expected
             assert 0 < http[level]["ttft_ms_p50"] <= http[level]["ttft_ms_p99"]
+            # every process that worked shows CPU time (the server's stage workers found too)
+            assert set(python[level]["cpu_us_per_token"]) == {"caller", "stage_workers"}
+            assert set(http[level]["cpu_us_per_token"]) == {"client", "server", "stage_workers"}
+            assert all(us > 0 for us in http[level]["cpu_us_per_token"].values()), http[level]
+            assert all(us > 0 for us in python[level]["cpu_us_per_token"].values()), python[level]
         figures = run["figures"]
         assert figures["http_vs_python_throughput_c64"] == http["c4"]["tokens_per_s"] / python["c4"]["tokens_per_s"]
         assert figures["ttft_p50_c1"] == http["c1"]["ttft_ms_p50"] - python["c1"]["ttft_ms_p50"]
+    assert len(result["load_average"]["start"]) == len(result["load_average"]["end"]) == 3
     for key, reported in (
         ("http_vs_python_throughput_c64", result["ratios"]["http_vs_python_throughput_c64"]),
         ("ttft_p50_c1", result["http_overhead_ms"]["ttft_p50_c1"]),
