@@ -196,6 +196,10 @@ class RayDriver:
             if req is not None:
                 self._router.finish(req, RequestCancelledError(f"request {rid} was cancelled"), "cancelled")
 
+    def return_output_credit(self, acks: list[tuple[str, str, int]]) -> None:
+        """Pipeline returns the credit of output chunks its readers took (the embedded
+        runtime's streaming-edge credit); stage replicas are not held back by it here."""
+
     def num_requests(self) -> int:
         return len(self._requests)
 

@@ -16,10 +16,7 @@ from omnistage.runtime.pipeline import Pipeline
 
 class RayPipeline(Pipeline):
     def __init__(self, spec: PipelineSpec, handles: dict[str, Any], app_name: str):
-        # Pipeline.__init__ would start an embedded orchestrator; the driver takes its place
-        self.spec = spec
-        self.name = spec.name
-        self._orch = RayDriver(spec, handles, app_name)
+        super().__init__(spec, RayDriver(spec, handles, app_name))
 
     @classmethod
     def connect(
@@ -32,15 +29,7 @@ class RayPipeline(Pipeline):
         ready_timeout: float = 600,
     ) -> RayPipeline:
         """A started RayPipeline over `handles` (stage -> DeploymentHandle of app `app_name`)."""
-        p = cls(spec, handles, app_name)
-        p.start()
-        if wait_ready:
-            try:
-                p.wait_ready(ready_timeout)
-            except BaseException:
-                p.close(drain_timeout=0)
-                raise
-        return p
+        return cls(spec, handles, app_name)._start_and_wait(wait_ready, ready_timeout)
 
     @property
     def shm_prefix(self) -> str:

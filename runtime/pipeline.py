@@ -72,10 +72,11 @@ def _inbox(loop: asyncio.AbstractEventLoop) -> _LoopInbox:
 
 
 class Pipeline:
-    def __init__(self, spec: PipelineSpec):
+    def __init__(self, spec: PipelineSpec, orchestrator: Orchestrator | None = None):
+        """`orchestrator`: another implementation of its surface (ray_serve's RayDriver)."""
         self.spec = spec
         self.name = spec.name
-        self._orch = Orchestrator(spec)
+        self._orch = Orchestrator(spec) if orchestrator is None else orchestrator
         _live.add(self)
 
     # -- construction --------------------------------------------------------------------------
@@ -99,15 +100,18 @@ class Pipeline:
         cls, spec: PipelineSpec, *, start: bool = True, wait_ready: bool = True, ready_timeout: float = 600
     ) -> Pipeline:
         p = cls(spec)
-        if start:
-            p.start()
-            if wait_ready:
-                try:
-                    p.wait_ready(ready_timeout)
-                except BaseException:
-                    p.close(drain_timeout=0)
-                    raise
-        return p
+        return p._start_and_wait(wait_ready, ready_timeout) if start else p
+
+    def _start_and_wait(self, wait_ready: bool, ready_timeout: float) -> Pipeline:
+        """Start; with `wait_ready`, block until every stage is ready (closed again if not)."""
+        self.start()
+        if wait_ready:
+            try:
+                self.wait_ready(ready_timeout)
+            except BaseException:
+                self.close(drain_timeout=0)
+                raise
+        return self
 
     def start(self) -> None:
         self._orch.start()

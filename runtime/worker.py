@@ -451,8 +451,8 @@ class Worker:
                 cleanup_prefix(self.cfg.shm_prefix)
 
 
-def worker_main(cfg: WorkerConfig, conn) -> None:
-    """Process entry point."""
+def worker_main(cfg: WorkerConfig, conn, worker_cls: type[Worker] = Worker) -> None:
+    """Process entry point (`worker_cls`: ray_serve's replicas run a Worker with another transport)."""
     # the parent decides when workers stop (SIGTERM to the process group drains in-flight
     # work through the parent); a parent that disappears closes the pipe and ends the worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -473,5 +473,5 @@ def worker_main(cfg: WorkerConfig, conn) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:
         pass
-    Worker(cfg, conn).run()
+    worker_cls(cfg, conn).run()
     conn.close()
