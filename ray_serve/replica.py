@@ -1,10 +1,11 @@
 """StageReplica: one Serve replica of one stage pool, running the embedded worker's engine loop.
 
-The engine is built and stepped by `runtime.worker.Worker` itself, in a thread of the replica:
-the same inbox (Deliver, Abort), the same input assembly (fan-in joins, re-chunking), the same
-continuous stepping that batches every request routed to it. Only its transport differs:
-deliveries arrive as Serve calls instead of pipe messages, and emissions leave through one
-stream per graph driver instead of the worker's pipe, as values in Ray's object store.
+The engine is built and stepped by `runtime.worker.Worker` itself, in a child process of the
+replica (ray_serve/engine_process.py): the same inbox (Deliver, Abort), the same input assembly
+(fan-in joins, re-chunking), the same continuous stepping that batches every request routed to
+it. Only its transport differs: deliveries arrive as Serve calls and go down the worker's
+pipe, and emissions leave through one stream per graph driver, as values in Ray's object
+store. If the engine process dies, the replica ends itself so that Serve replaces both.
 
 Calls, each made by a graph driver (ray_serve/driver.py) that names itself by a channel id:
 - `open(rid, channel, delivers)`: takes a request (Serve picks the replica) with its first
@@ -20,74 +21,20 @@ Calls, each made by a graph driver (ray_serve/driver.py) that names itself by a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from typing import Any
 
-import torch
-
+from omnistage.ray_serve.engine_process import EngineProcess
 from omnistage.ray_serve.options import BackendOptions, PipelineSource
 from omnistage.ray_serve.scaling import METRIC
-from omnistage.runtime.allocator import apply_allocator_defaults
-from omnistage.runtime.messages import Abort, Deliver, Emit, EmitBatch, Ready, Shutdown, StartFailed
-from omnistage.runtime.worker import Worker, WorkerConfig
-from omnistage.stages.base import Emission
+from omnistage.runtime.messages import Abort, Deliver, Emit
+from omnistage.runtime.worker import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 ENDED_KEEP = 4096
-
-
-class _EngineLoop(Worker):
-    """The embedded worker with its pipe replaced by a callback per batch of emits."""
-
-    def __init__(self, cfg: WorkerConfig, publish):
-        super().__init__(cfg, conn=None)
-        self._publish = publish
-        self.started = threading.Event()
-        self.start_error: str | None = None
-
-    def _read_loop(self) -> None:
-        return  # no pipe: the replica's calls put messages in the inbox directly
-
-    def send(self, msg) -> None:
-        if isinstance(msg, Emit):
-            self._publish([msg])
-        elif isinstance(msg, EmitBatch):
-            self._publish(msg.emits)
-        elif isinstance(msg, StartFailed):
-            self.start_error = msg.error
-            self.started.set()
-        elif isinstance(msg, Ready):
-            self.started.set()
-        # PermitsTaken never happens (the driver holds edge permits); the rest is pipe upkeep
-
-    def _send_emissions(self, emissions: list[Emission]) -> None:
-        emits = []
-        for em in emissions:
-            outputs = {}
-            if em.error is None:
-                outputs = {p: _portable(v) for p, v in em.outputs.items() if self.port_edges.get(p)}
-            finished = em.finished or em.error is not None
-            absent = tuple(em.absent_ports) if em.finished else ()
-            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param, absent))
-        if not emits:
-            return
-        self._publish(emits)
-        for emit in emits:
-            if emit.finished:
-                if emit.request_id in self.active or emit.error is not None:
-                    self.stats.outcomes["ok" if emit.error is None else "error"] += 1
-                self.active.discard(emit.request_id)
-
-
-def _portable(value: Any) -> Any:
-    """A value another node can read: device tensors are copied to the host."""
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _portable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value):
-        return type(value)(_portable(v) for v in value)
-    return value
 
 
 class _Channel:
@@ -124,12 +71,6 @@ class StageReplica:
 
         spec = PipelineSource.from_dict(source).load(pipeline)
         pool = spec.stages[stage].pool
-        apply_allocator_defaults()  # as an embedded worker: freed memory is reused, not faulted in again
-        torch.set_num_threads(max(1, int(pool.threads)))
-        try:
-            torch.set_num_interop_threads(1)
-        except RuntimeError:  # already set in this process
-            pass
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         # Ray hands a GPU replica its device as the only visible one
@@ -144,14 +85,20 @@ class StageReplica:
         self._lock = threading.Lock()
         self._outbox: list[Emit] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.worker = _EngineLoop(cfg, self._publish)
-        self._thread = threading.Thread(target=self.worker.run, name=f"omnistage-{stage}", daemon=True)
-        self._thread.start()
-        self.worker.started.wait()
-        if self.worker.start_error is not None:
-            raise RuntimeError(f"stage {stage!r}: {self.worker.start_error}")
+        self.engine = EngineProcess(cfg, self._publish, self._engine_exited)
+        try:
+            self.engine.wait_started()
+        except RuntimeError as exc:
+            self.engine.close()
+            raise RuntimeError(f"stage {stage!r}: {exc}") from None
 
-    # -- engine thread -> event loop ---------------------------------------------------------
+    # -- engine process -> event loop --------------------------------------------------------
+    def _engine_exited(self) -> None:
+        """The engine process died (killed, out of memory): its requests are lost, so this
+        replica ends too; the drivers fail those requests and Serve starts a new replica."""
+        log.error("the engine process of this replica exited (code %s)", self.engine.proc.exitcode)
+        os._exit(1)
+
     def _publish(self, emits: list[Emit]) -> None:
         if self._loop is None:
             return  # no request was ever opened here
@@ -190,7 +137,7 @@ class StageReplica:
         ch.requests.add(rid)
         self._owner[rid] = ch
         for msg in delivers:
-            self.worker.inbox.put(msg)
+            self.engine.send(msg)
         return self.replica_id
 
     async def listen(self, channel: str, replica: str | None = None):
@@ -206,14 +153,14 @@ class StageReplica:
             for rid in ch.requests:
                 self._owner.pop(rid, None)
                 self._end(rid)
-                self.worker.inbox.put(Abort(rid))
+                self.engine.send(Abort(rid))
 
     async def deliver(self, delivers: list[Deliver], replica: str | None = None) -> list[str]:
         """Queue the deliveries; answers the requests this replica never held (the replica
         that did died and Serve routed the call here): those fail, the others go on."""
         for msg in delivers:
             if msg.request_id in self._owner:
-                self.worker.inbox.put(msg)
+                self.engine.send(msg)
         return sorted({m.request_id for m in delivers if m.request_id not in self._owner} - self._ended.keys())
 
     async def abort(self, rid: str, replica: str | None = None) -> None:
@@ -221,7 +168,7 @@ class StageReplica:
         if ch is not None:
             ch.requests.discard(rid)
             self._end(rid)
-            self.worker.inbox.put(Abort(rid))
+            self.engine.send(Abort(rid))
 
     def _end(self, rid: str) -> None:
         self._ended[rid] = None
@@ -232,18 +179,18 @@ class StageReplica:
         """What ray_serve/scaling.py's policy scales on: the requests this replica holds."""
         return {METRIC: float(len(self._owner))}
 
-    def stats(self) -> dict[str, Any]:
-        return {"replica_id": self.replica_id, **self.worker.snapshot()}
+    async def stats(self) -> dict[str, Any]:
+        """The worker's snapshot (its `pid` is the engine process's) and this replica's id and pid."""
+        return {**await self.engine.stats(), "replica_id": self.replica_id, "replica_pid": os.getpid()}
 
     def check_health(self) -> None:
-        if not self._thread.is_alive():
-            raise RuntimeError("the engine loop stopped")
+        if not self.engine.alive():
+            raise RuntimeError("the engine process stopped")
 
     def __del__(self) -> None:
-        worker = getattr(self, "worker", None)
-        if worker is not None and self._thread.is_alive():
-            worker.inbox.put(Shutdown())
-            self._thread.join(timeout=10)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
 
 
 def _rank(context: Any) -> int:

@@ -2,7 +2,7 @@
 
 The application is the one `omnistage serve --backend ray` runs (ray_serve/app.py): stage
 deployments and the FastAPI ingress behind Serve's HTTP proxy. Teardown shuts Serve and Ray
-down and checks that no process Ray started is left.
+down and checks that no process Ray started is left, the replicas' engine processes included.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ def ray_processes(pids: set[int]) -> set[int]:
     return found
 
 
+def processes_below(ray_pids: set[int]) -> set[int]:
+    """The processes that Ray's processes started and that are not Ray's own."""
+    return set().union(*(descendants(pid) for pid in ray_pids)) - ray_pids
+
+
 def alive(pids: set[int]) -> set[int]:
     left = set()
     for pid in pids:
@@ -120,6 +125,7 @@ def ray_app():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster
     before = descendants(os.getpid())
+    engines: set[int] = set()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         port = free_port()
@@ -130,10 +136,14 @@ def ray_app():
         )
         app = RayApp(f"http://127.0.0.1:{port}")
         app.wait_ready()
+        # the stage replicas' engine processes (ray_serve/engine_process.py), below Ray's workers
+        engines = processes_below(ray_processes(descendants(os.getpid()) - before))
+        assert engines, "no process below Ray's: the replicas run their engines in their own process"
         yield app
     finally:
         started = ray_processes(descendants(os.getpid()) - before)
         assert started, "no Ray process found: the leftover check below would check nothing"
+        started |= engines | processes_below(started)
         try:
             serve.shutdown()
         finally:

@@ -20,6 +20,7 @@ import torch
 
 from omnistage.errors import WorkerDiedError
 from omnistage.runtime.pipeline import Pipeline
+from omnistage.tests.runtime.conftest import SMALL_YAML, pid_exists
 
 PROMPTS = ["Once upon a time", "The capital of France is", "1 2 3 4", "hello"]
 GREEDY = {"llm": {"temperature": 0.0, "max_tokens": 12}}
@@ -115,13 +116,13 @@ def test_cancel_frees_the_engine(ray_app):
         assert llm.request_counts["cancelled"] == 1
 
 
-def _kill_llm_replica(llm) -> str:
-    import ray
-
-    replica = llm.replica_stats()["llm"][0]["replica_id"]
-    actor = ray.get_actor(f"SERVE_REPLICA::omnistage#tiny-llm.llm#{replica}", namespace="serve")
-    ray.kill(actor, no_restart=True)
-    return replica
+def _kill_llm_engine(llm) -> tuple[str, int]:
+    """SIGKILL the engine process of the llm replica (as the kernel's OOM killer would): the
+    replica must end with it. Returns the replica's id and process id."""
+    stats = llm.replica_stats()["llm"][0]
+    assert stats["pid"] != stats["replica_pid"], "the engine runs in the replica's own process"
+    os.kill(stats["pid"], signal.SIGKILL)
+    return stats["replica_id"], stats["replica_pid"]
 
 
 def test_a_killed_replica_fails_only_its_requests_and_is_replaced(embedded, ray_app):
@@ -145,10 +146,14 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(embedded, ray_
         assert started.wait(60)
         diamond_thread = threading.Thread(target=slow_diamond)
         diamond_thread.start()
-        killed = _kill_llm_replica(llm)
+        killed, replica_pid = _kill_llm_engine(llm)
         llm_thread.join(60)
         diamond_thread.join(60)
         assert isinstance(results.get("llm"), WorkerDiedError), results.get("llm")
+        end = time.monotonic() + 30
+        while pid_exists(replica_pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not pid_exists(replica_pid), "the replica outlived its engine process"
         for port, value in embedded["diamond"].items():
             torch.testing.assert_close(results["diamond"][port], value, rtol=0, atol=1e-6, msg=port)
 
@@ -170,25 +175,6 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(embedded, ray_
         diamond.close(0)
 
 
-SLEEPY_YAML = """name: sleepy
-inputs: {x: tensor}
-outputs: {y: tensor}
-stages:
-  pre:
-    kind: noop
-    params: {inputs: {x: tensor}, outputs: {y: tensor}}
-    batching: {policy: dynamic, max_batch_size: 8, max_wait_ms: 0}
-  sleeper:
-    kind: torch_module
-    params: {factory: "omnistage.runtime.testmodules:Sleeper", inputs: {x: tensor}, outputs: {y: tensor}, pass_params: true}
-    batching: {policy: none}
-edges:
-  - {from: inputs.x, to: pre.x}
-  - {from: pre.y, to: sleeper.x, max_inflight: 1}
-  - {from: sleeper.y, to: outputs.y}
-"""
-
-
 def test_a_full_edge_holds_back_its_producer(ray_app, tmp_path):
     """pre -> sleeper has max_inflight 1: with three requests at once, the sleeper's replica
     never holds more than one (the driver keeps the others before `pre`)."""
@@ -197,7 +183,7 @@ def test_a_full_edge_holds_back_its_producer(ray_app, tmp_path):
     from omnistage.ray_serve.app import build_app
 
     path = tmp_path / "sleepy.yaml"
-    path.write_text(SLEEPY_YAML)
+    path.write_text(SMALL_YAML)  # pre -> sleeper -> copy, the runtime tests' pipeline
     app = build_app({"configs": [str(path)], "options": {"cpus_per_thread": 0.0}})
     serve.run(app, name="sleepy", route_prefix=None, blocking=False, logging_config={"enable_access_log": False})
     sleepy = ray_app.pipeline(str(path), app="sleepy")
