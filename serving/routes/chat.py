@@ -68,7 +68,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     served = served_pipeline(request, body.model, "chat")
     _check_unsupported(body)
     spoken = wants_audio(served, body)
-    inputs = await run_in_threadpool(pipeline_inputs, served, body.messages)  # media checks decode: off the loop
+    if any(isinstance(m.content, list) for m in body.messages):  # media checks decode: off the loop
+        inputs = await run_in_threadpool(pipeline_inputs, served, body.messages)
+    else:  # plain text: no thread hop before the first token
+        inputs = pipeline_inputs(served, body.messages)
     params = salt_by_key(request, served, _stage_params(served, body, spoken))
     tokenizer = tokenizer_for(served) if body.logprobs else None
     request_id = new_id("chatcmpl")
