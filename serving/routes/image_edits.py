@@ -4,9 +4,11 @@ port: image-to-image through the same pipeline as /v1/images/generations.
 The uploaded image (png, jpeg or webp) is decoded to pixels and sent to the `image_in` port;
 the denoiser encodes it with the VAE, noises it to `strength` (extra field, diffusers' name,
 default 0.6) and denoises from there (stages/diffusion/img2img.py). `size` defaults to the
-image's own size. The answer is the generations route's (b64_json or url, or SSE events
-named image_edit.* with stream: true). Not served (400 naming the field): a mask (that is
-inpainting), several input images.
+image's own size. A `mask` (a PNG of the image's size whose transparent pixels mark what to
+repaint, as OpenAI documents it) becomes the alpha channel of the pixels sent: the denoiser
+then inpaints (keeps the latents outside the mask). The answer is the generations route's
+(b64_json or url, or SSE events named image_edit.* with stream: true). Not served (400
+naming the field): several input images.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from fastapi import APIRouter, Form, Request, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
+from omnistage.errors import InvalidRequestError
 from omnistage.serving.routes.chat_input import MAX_IMAGE_PIXELS
 from omnistage.serving.routes.images import (
     MAX_IMAGES,
@@ -68,7 +71,7 @@ class ImageEditRequest(BaseModel):
         return given + list(self.images or [])
 
 
-async def _pixels(upload: UploadFile) -> np.ndarray:
+async def _pixels(upload: UploadFile, param: str = "image", mode: str = "RGB") -> np.ndarray:
     from PIL import Image
 
     raw = await upload.read()
@@ -76,11 +79,26 @@ async def _pixels(upload: UploadFile) -> np.ndarray:
         with Image.open(io.BytesIO(raw)) as img:
             too_large = img.width * img.height > MAX_IMAGE_PIXELS  # from the header, before any pixel
             if not too_large:
-                return np.asarray(img.convert("RGB"))
+                if mode == "A" and not img.has_transparency_data:
+                    raise invalid(
+                        f"{param} has no alpha channel; transparent pixels mark what to edit", param, "invalid_mask"
+                    )
+                return np.asarray(img.convert("RGBA").getchannel("A") if mode == "A" else img.convert(mode))
+    except InvalidRequestError:
+        raise
     except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
-        raise invalid(f"image is not a decodable image: {exc}", "image", code="invalid_image") from exc
-    message = f"image is {img.width}x{img.height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels"
-    raise invalid(message, "image", code="image_too_large")
+        raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
+    message = f"{param} is {img.width}x{img.height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels"
+    raise invalid(message, param, code="image_too_large")
+
+
+async def _with_mask(pixels: np.ndarray, mask: UploadFile) -> np.ndarray:
+    """RGBA pixels whose alpha is the mask's: the denoiser repaints where it is transparent."""
+    alpha = await _pixels(mask, "mask", mode="A")
+    if alpha.shape != pixels.shape[:2]:
+        (h, w), (mh, mw) = pixels.shape[:2], alpha.shape
+        raise invalid(f"mask is {mw}x{mh} pixels; it must be the image's size, {w}x{h}", "mask", code="invalid_mask")
+    return np.concatenate([pixels, alpha[..., None]], axis=-1)
 
 
 @router.post(
@@ -103,10 +121,10 @@ async def edit_images(body: Annotated[ImageEditRequest, Form()], request: Reques
         raise invalid("image is required (a png, jpeg or webp file)", "image", code="missing_required_parameter")
     if len(uploads) > 1:
         raise UnsupportedError("one input image per edit", "image")
-    if body.mask is not None:
-        raise UnsupportedError("masks (inpainting) are not supported; the whole image is edited", "mask")
     refuse_unservable(served, body)
     pixels = await _pixels(uploads[0])
+    if body.mask is not None:
+        pixels = await _with_mask(pixels, body.mask)
     size = {} if body.size not in (None, "auto") else {"width": pixels.shape[1], "height": pixels.shape[0]}
     params = served.stage_params(generation_fields(body, strength=body.strength, **size))
     inputs = {served.port("prompt"): body.prompt, served.port("image_in"): torch.from_numpy(pixels.copy())}

@@ -1,6 +1,6 @@
 """POST /v1/images/edits through the official `openai` client (multipart upload): the edited
 image equals diffusers' StableDiffusion3Img2ImgPipeline on the same tiny checkpoint, seed and
-strength; refusals name their field."""
+strength, and a masked edit its StableDiffusion3InpaintPipeline; refusals name their field."""
 
 from __future__ import annotations
 
@@ -40,6 +40,45 @@ def img2img_reference():
         image = Image.open(io.BytesIO(png)).convert("RGB")
         gen = torch.Generator("cpu").manual_seed(seed)
         return np.stack([np.asarray(im) for im in pipe(PROMPT, image=image, generator=gen, **params).images])
+
+    return run
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+ALPHA = np.full((32, 48), 255, np.uint8)
+ALPHA[6:26, 10:34] = 0  # transparent: repaint (OpenAI's mask convention)
+MASK_PNG = _png(np.dstack([np.full((32, 48, 3), 90, np.uint8), ALPHA]))
+
+
+@pytest.fixture(scope="module")
+def inpaint_reference():
+    from diffusers import StableDiffusion3InpaintPipeline
+
+    from omnistage.models.recipes import build_recipe
+
+    pipe = StableDiffusion3InpaintPipeline.from_pretrained(build_recipe("tiny-sd3"), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    # The pipeline takes its latent-blending branch for transformers of 16 input channels (SD3's
+    # own, no mask channels) and refuses other counts; the tiny VAE has 4 latent channels. The
+    # transformer's forward never reads config.in_channels, so declaring 16 selects that branch.
+    pipe.transformer.register_to_config(in_channels=16)
+
+    def run(png: bytes, seed: int, **params) -> np.ndarray:
+        image = Image.open(io.BytesIO(png)).convert("RGB")
+        repaint = Image.fromarray(255 - ALPHA)  # diffusers' convention: white = repaint
+        gen = torch.Generator("cpu").manual_seed(seed)
+        latents = pipe(PROMPT, image=image, mask_image=repaint, generator=gen, output_type="latent", **params).images
+        # decoded as diffusers' SD3 text-to-image and img2img pipelines decode (this one leaves
+        # out the VAE's shift_factor, which the tiny VAE has)
+        cfg = pipe.vae.config
+        with torch.no_grad():
+            pixels = pipe.vae.decode(latents / cfg.scaling_factor + cfg.shift_factor, return_dict=False)[0]
+        return np.stack([np.asarray(im) for im in pipe.image_processor.postprocess(pixels)])
 
     return run
 
@@ -94,10 +133,29 @@ def test_streamed_edit_sends_image_edit_events(client, init_png):
     assert all(e.size == "48x32" for e in events)
 
 
+def test_masked_edit_equals_diffusers_inpaint(client, init_png, inpaint_reference, img2img_reference):
+    extra = {"seed": 7, "strength": 0.8, "num_inference_steps": 5, "guidance_scale": 4.0}
+    reply = client.images.edit(
+        model="tiny-image",
+        image=("in.png", init_png, "image/png"),
+        mask=("mask.png", MASK_PNG, "image/png"),
+        prompt=PROMPT,
+        n=2,
+        extra_body=extra,
+    )
+    ours = np.stack([_decoded(d) for d in reply.data])
+    params = dict(strength=0.8, num_inference_steps=5, guidance_scale=4.0, height=32, width=48)
+    _assert_same_pixels(ours, inpaint_reference(init_png, 7, num_images_per_prompt=2, **params))
+    unmasked = img2img_reference(init_png, 7, **params)[0]
+    assert np.abs(unmasked.astype(int) - ours[0].astype(int)).max() > 8  # the mask reaches the denoiser
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
         ({"mask": ("m.png", b"\x89PNG", "image/png")}, "mask"),
+        ({"mask": ("m.png", _png(np.zeros((32, 40, 4), np.uint8)), "image/png")}, "mask"),  # not the image's size
+        ({"mask": ("m.png", _png(np.zeros((32, 48, 3), np.uint8)), "image/png")}, "mask"),  # no alpha
         ({"image": ("in.png", b"not an image", "image/png")}, "image"),
         ({"model": "tiny-llm"}, "model"),
         ({"size": "33x32"}, "size"),

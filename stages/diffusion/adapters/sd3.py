@@ -201,12 +201,15 @@ class SD3Denoiser(DenoiserAdapter):
                 sconf.get("max_shift", 1.16),
             )
         scheduler = self.new_scheduler(steps, **kwargs)
+        inpaint = None
         if image is None:
             latents, timesteps = self.draw_latents((n, self.in_channels, lh, lw), generator), scheduler.timesteps
         else:
             strength = DEFAULT_STRENGTH if params.strength is None else params.strength
             vae = self.require_vae("image")
-            latents, timesteps = noised_image_latents(vae, scheduler, image, (h, w), strength, n, generator, self.dtype)
+            latents, timesteps, inpaint = noised_image_latents(
+                vae, scheduler, image, (h, w), strength, n, generator, self.dtype
+            )
         ehs = self.cfg_rows(text, n, do_cfg, "embeds")
         pooled = self.cfg_rows(text, n, do_cfg, "pooled")
         return DenoiseState(
@@ -222,7 +225,12 @@ class SD3Denoiser(DenoiserAdapter):
             row_inputs={"encoder_hidden_states": ehs, "pooled_projections": pooled},
             guidance=guidance,
             do_cfg=do_cfg,
-            extra={"height": h, "width": w, "preview_steps": self.preview_plan(params, len(timesteps))},
+            extra={
+                "height": h,
+                "width": w,
+                "preview_steps": self.preview_plan(params, len(timesteps)),
+                "inpaint": inpaint,
+            },
         )
 
     def require_vae(self, param: str):
@@ -236,6 +244,11 @@ class SD3Denoiser(DenoiserAdapter):
             return frozenset()
         self.require_vae("partial_images")
         return preview_steps(total_steps, params.partial_images)
+
+    def step(self, state: DenoiseState, model_output: torch.Tensor) -> None:
+        super().step(state, model_output)
+        if (inpaint := state.extra.get("inpaint")) is not None:
+            state.latents = inpaint.blend(state)
 
     def estimate(self, state: DenoiseState, model_output: torch.Tensor) -> torch.Tensor:
         return flow_estimate(state, model_output)
