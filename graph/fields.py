@@ -150,7 +150,7 @@ EDGE = {
     "to": Field("string", "Consumer: `stage.port` or `outputs.PORT`.", required=True),
     "stream": Field(
         "special",
-        "Deliver chunks while the producer runs: {chunk, left_context} "
+        "Deliver chunks while the producer runs: {chunk, left_context, credit, credit_bytes} "
         "or true. The consumer port must accept streaming input.",
     ),
     "max_inflight": Field(
@@ -165,6 +165,16 @@ STREAM = {
     "chunk": Field("integer", "Items along dim 0 per delivered chunk. Default 1.", minimum=1),
     "left_context": Field(
         "integer", "Items of the previous chunk repeated at the head of the next. Default 0.", minimum=0
+    ),
+    "credit": Field(
+        "integer",
+        "Most chunks of one request sent but not yet consumed; the producer holds that request back meanwhile. Default 64.",
+        minimum=1,
+    ),
+    "credit_bytes": Field(
+        "integer",
+        "Most bytes of one request's tensors sent but not yet consumed (a larger chunk still goes alone). Default 4194304.",
+        minimum=1,
     ),
 }
 

@@ -120,6 +120,10 @@ class Endpoint:
 class StreamSpec:
     chunk: int = 1  # items along dim 0 per delivered chunk
     left_context: int = 0  # items of the previous chunk repeated at the head of the next
+    # per-request flow control (runtime/credit.py): the producer holds a request back once
+    # this many of its chunks, or this many bytes, are sent but not yet consumed
+    credit: int = 64
+    credit_bytes: int = 4 * 2**20
 
 
 @dataclass

@@ -61,6 +61,14 @@ class PermitFreed:
 
 
 @dataclass(slots=True)
+class Credit:
+    """Chunks the consumers of the worker's streaming out-edges consumed (runtime/credit.py):
+    (request id, edge index, chunks) each."""
+
+    grants: list[tuple[str, int, int]]
+
+
+@dataclass(slots=True)
 class ReleaseSlots:
     """Reader slots of this worker's segments that a dead reader never released:
     (segment name, segment use, slot) each; applied only while the segment is still in that use."""
@@ -84,6 +92,14 @@ class PermitsTaken:
 
     request_id: str
     edges: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Consumed:
+    """Worker -> hub: chunks of streaming in-edges its engine worked on, whose credit goes back
+    to their producers: (request id, edge index, chunks) each."""
+
+    grants: list[tuple[str, int, int]]
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from omnistage.runtime.worker import BATCH_BUCKETS, STEP_MS_BUCKETS
+from omnistage.runtime.step_stats import BATCH_BUCKETS, STEP_MS_BUCKETS
 
 _LABELS = ["pipeline", "stage", "replica"]
 

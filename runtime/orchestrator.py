@@ -36,6 +36,7 @@ from omnistage.graph.inputs import check_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
 from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import (
+    Consumed,
     Emit,
     EmitBatch,
     OverMemory,
@@ -254,6 +255,11 @@ class Orchestrator:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def return_output_credit(self, acks: list[tuple[str, str, int]]) -> None:
+        """The caller consumed chunks of streaming outputs: (request id, port, chunks) each."""
+        with self._lock:
+            self._router.return_output_credit(acks)
+
     # -- hub thread -----------------------------------------------------------------------------
     def _hub_loop(self) -> None:
         while True:
@@ -327,6 +333,8 @@ class Orchestrator:
                 self._router.on_emit(r, emit)
         elif isinstance(msg, PermitsTaken):
             self._router.on_permits_taken(r, msg)
+        elif isinstance(msg, Consumed):
+            self._router.return_credit(msg.grants)
         elif isinstance(msg, OverMemory):
             start_drain(r, msg.rss)
         elif isinstance(msg, StatsReply):

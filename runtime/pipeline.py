@@ -61,6 +61,26 @@ class _LoopInbox:
             target.put_nowait(item)
 
 
+class _CreditOutbox:
+    """Returns the credit of the streamed output chunks a loop's readers took (runtime/credit.py),
+    once per turn of the loop for all its streams: one hub call, not one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, orch: Orchestrator):
+        self._loop = loop
+        self._orch = orch
+        self._acks: dict[tuple[str, str], int] = {}
+
+    def took(self, rid: str, port: str) -> None:
+        if not self._acks:
+            self._loop.call_soon(self.flush)
+        self._acks[rid, port] = self._acks.get((rid, port), 0) + 1
+
+    def flush(self) -> None:
+        acks, self._acks = self._acks, {}
+        if acks:
+            self._orch.return_output_credit([(rid, port, n) for (rid, port), n in acks.items()])
+
+
 _inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox] = weakref.WeakKeyDictionary()
 
 
@@ -77,6 +97,9 @@ class Pipeline:
         self.spec = spec
         self.name = spec.name
         self._orch = Orchestrator(spec) if orchestrator is None else orchestrator
+        self._outboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _CreditOutbox] = (
+            weakref.WeakKeyDictionary()
+        )
         _live.add(self)
 
     # -- construction --------------------------------------------------------------------------
@@ -154,7 +177,11 @@ class Pipeline:
         deadline = time.time() + timeout if timeout is not None else None
         rid = self._orch.submit(inputs, params, sink.put, request_id, deadline)
         chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
+        acks: dict[str, int] = {}  # port -> chunks taken whose credit is not returned yet
         while True:
+            if acks and sink.empty() and self._returns_credit:  # before waiting: a producer may be
+                self._orch.return_output_credit([(rid, port, n) for port, n in acks.items()])
+                acks.clear()
             try:
                 # the hub enforces the deadline; the margin only guards against a stuck hub
                 item = sink.get(timeout=None if timeout is None else timeout + 10.0)
@@ -167,6 +194,20 @@ class Pipeline:
                 return {p: combine_chunks(c) for p, c in chunks.items()}
             if item.port is not None and item.data is not None:
                 chunks.setdefault(item.port, []).append(item.data)
+                acks[item.port] = acks.get(item.port, 0) + 1
+
+    @property
+    def _returns_credit(self) -> bool:
+        """The orchestrator takes streamed outputs' credit back (ray_serve's driver does not)."""
+        return hasattr(self._orch, "return_output_credit")
+
+    def _credit_outbox(self, loop: asyncio.AbstractEventLoop) -> _CreditOutbox | None:
+        if not self._returns_credit:
+            return None
+        outbox = self._outboxes.get(loop)
+        if outbox is None:
+            outbox = self._outboxes[loop] = _CreditOutbox(loop, self._orch)
+        return outbox
 
     async def stream(
         self,
@@ -176,7 +217,9 @@ class Pipeline:
         request_id: str | None = None,
         deadline_s: float | None = None,
     ) -> AsyncIterator[OutputChunk]:
-        inbox = _inbox(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        inbox = _inbox(loop)
+        outbox = self._credit_outbox(loop)
         items: asyncio.Queue = asyncio.Queue()
 
         def sink(item: Any) -> None:
@@ -194,6 +237,8 @@ class Pipeline:
                         raise item.error
                     return
                 yield item
+                if outbox is not None and item.port is not None and item.data is not None:
+                    outbox.took(rid, item.port)  # the reader is done with it: credit goes back
         finally:
             if not done:
                 self._orch.abort(rid)

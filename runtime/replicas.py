@@ -225,6 +225,7 @@ class WorkerProcesses:
         r.step_clock = StepClock(self.ctx)
         cfg = WorkerConfig(self.spec, r.stage, r.index, r.device, self.shm_prefix, permits, r.generation)
         cfg.step_clock = r.step_clock
+        cfg.stream_credit = True  # this hub forwards credit (runtime/credit.py)
         proc = self.ctx.Process(
             target=worker_main, args=(cfg, child_conn), name=f"omnistage:{self.spec.name}:{r.name}", daemon=True
         )

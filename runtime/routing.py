@@ -19,7 +19,7 @@ from typing import Any
 from omnistage.errors import InvalidRequestError, StageError, WorkerDiedError
 from omnistage.graph.spec import PIPELINE_INPUTS, PIPELINE_OUTPUTS, PipelineSpec
 from omnistage.runtime.ledger import EdgePermits, SlotBook
-from omnistage.runtime.messages import Abort, Deliver, Emit, PermitFreed, PermitsTaken, RequestMeta, send_msg
+from omnistage.runtime.messages import Abort, Credit, Deliver, Emit, PermitFreed, PermitsTaken, RequestMeta, send_msg
 from omnistage.runtime.replicas import Replica, ReplicaState
 from omnistage.runtime.shm import SegmentReader, decode, iter_refs, release_all
 from omnistage.runtime.watchdog import holds_back
@@ -97,6 +97,10 @@ class Router:
         self.port_edges = {name: spec.out_edge_ids_by_port(name) for name in [*spec.stages, PIPELINE_INPUTS]}
         self.in_edge_idx = {name: spec.in_edge_ids(name) for name in spec.stages}
         self.sources = [n for n in spec.stages if not self.in_edge_idx[n]]
+        self.output_streams: dict[str, list[int]] = {}  # outputs port -> its streaming edges from stages
+        for i, e in enumerate(spec.edges):
+            if e.dst.stage == PIPELINE_OUTPUTS and e.stream is not None and e.src.stage in spec.stages:
+                self.output_streams.setdefault(e.dst.port, []).append(i)
 
     def start(self, req: RequestRecord, encoded: dict[str, Any]) -> None:
         """Route a newly admitted request's inputs (encoded per given port) and start the
@@ -227,6 +231,23 @@ class Router:
         for edges in self.port_edges[stage].values():
             for slot, idx in enumerate(edges):
                 self._absent_edge(req, stage, idx, slot)
+
+    def return_credit(self, grants) -> None:
+        """Forward consumed chunks' credit (request id, edge, chunks) to each edge's producer
+        replica (runtime/credit.py); requests that ended meanwhile are skipped."""
+        by_replica: dict[Replica, list] = {}
+        for rid, idx, n in grants:
+            req = self.requests.get(rid)
+            src = self.spec.edges[idx].src.stage
+            producer = req.replicas.get(src) if req is not None else None
+            if producer is not None and src in req.open_stages:
+                by_replica.setdefault(producer, []).append((rid, idx, n))
+        for r, mine in by_replica.items():
+            self.send(r, Credit(mine))
+
+    def return_output_credit(self, acks) -> None:
+        """The caller took chunks of streaming outputs: (request id, outputs port, chunks) each."""
+        self.return_credit([(rid, idx, n) for rid, port, n in acks for idx in self.output_streams.get(port, ())])
 
     def release_permit(self, idx: int) -> None:
         producer = self.permits.release(idx)

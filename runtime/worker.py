@@ -7,7 +7,9 @@ drained so the orchestrator never blocks on a busy worker.
 
 Per-edge backpressure: a request is added to the engine only once the worker holds an
 in-flight permit for each out-edge with `max_inflight`; the orchestrator returns the permit
-when the consumer stage finishes the request (or the request ends).
+when the consumer stage finishes the request (or the request ends). Per-request credit on
+streaming edges (runtime/credit.py): a request whose consumer is behind is paused in the
+engine; credit for the chunks this worker's engine took goes back after its next step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import signal
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +32,11 @@ from omnistage.errors import one_line_error
 from omnistage.graph.spec import PipelineSpec
 from omnistage.runtime.allocator import apply_allocator_defaults
 from omnistage.runtime.assembler import InputAssembler
+from omnistage.runtime.credit import ReturnCredit, SendCredit
 from omnistage.runtime.messages import (
     Abort,
+    Consumed,
+    Credit,
     Deliver,
     Emit,
     EmitBatch,
@@ -58,13 +62,12 @@ from omnistage.runtime.shm import (
     process_gone,
     worker_pool_prefix,
 )
+from omnistage.runtime.step_stats import StepStats
 from omnistage.runtime.watchdog import MemoryWatch
 from omnistage.stages.base import Emission, StageContext, StageEngine
 from omnistage.stages.contracts import error_emission
 
 STEP_LOG_KEEP = 64
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-STEP_MS_BUCKETS = (0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 10000)
 PERMIT_POLL_S = 0.05  # fallback only: the orchestrator sends PermitFreed when it returns one
 ENGINE_STATS_EVERY_S = 0.1
 DRAIN_MAX = 512
@@ -81,6 +84,7 @@ class WorkerConfig:
     permits: dict[int, Any] = field(default_factory=dict)
     generation: int = 0
     step_clock: Any = None  # runtime.watchdog.StepClock: stamped around every engine step
+    stream_credit: bool = False  # per-request credit on streaming edges (runtime/credit.py)
 
 
 def process_title(cfg: WorkerConfig) -> str:
@@ -124,34 +128,6 @@ def build_engine(cfg: WorkerConfig) -> StageEngine:
     return get_stage_class(st.kind)(ctx)
 
 
-class _Stats:
-    def __init__(self):
-        self.batch_size_last = 0
-        self.step_ms: deque[float] = deque(maxlen=256)
-        self.batch_hist = [0] * (len(BATCH_BUCKETS) + 1)
-        self.step_hist = [0] * (len(STEP_MS_BUCKETS) + 1)
-        self.batch_sum = 0
-        self.step_ms_sum = 0.0
-        self.steps = 0
-        self.outcomes = {"ok": 0, "error": 0, "aborted": 0}
-
-    def record_step(self, batch: int, ms: float) -> None:
-        self.batch_size_last = batch
-        self.step_ms.append(ms)
-        self.steps += 1
-        self.batch_sum += batch
-        self.step_ms_sum += ms
-        self.batch_hist[_bucket(BATCH_BUCKETS, batch)] += 1
-        self.step_hist[_bucket(STEP_MS_BUCKETS, ms)] += 1
-
-
-def _bucket(bounds, value) -> int:
-    for i, b in enumerate(bounds):
-        if value <= b:
-            return i
-    return len(bounds)
-
-
 class Worker:
     def __init__(self, cfg: WorkerConfig, conn):
         self.cfg = cfg
@@ -163,10 +139,12 @@ class Worker:
         self.port_edges = self.spec.out_edge_ids_by_port(cfg.stage)
         self.assembler = InputAssembler({e.dst.port: e.stream for e in self.spec.in_edges(cfg.stage)})
         self.permit_edges = sorted(cfg.permits)
+        self.send_credit = SendCredit(self.spec, cfg.stage, cfg.stream_credit)  # runtime/credit.py
+        self.return_credit = ReturnCredit(self.spec, cfg.stage, cfg.stream_credit)
         self.engine: StageEngine | None = None
         self.active: set[str] = set()  # added to the engine, not finished
         self.waiting_permits: dict[str, list[tuple]] = {}  # rid -> deferred actions (FIFO)
-        self.stats = _Stats()
+        self.stats = StepStats()
         self.running = True
         self.send_lock = threading.Lock()
         self.engine_stats: dict[str, Any] = {}
@@ -261,6 +239,9 @@ class Worker:
                 self._admit_waiting()
             if self.running and engine.has_work():
                 self._step()
+            grants = self.return_credit.take_grants(engine.paused)  # the engine worked on them
+            if grants:
+                self.send(Consumed(grants))
             self.memory.check(self.send)
 
     def _drain(self, timeout: float | None) -> None:
@@ -289,6 +270,12 @@ class Worker:
                 return
             for action in actions:
                 self._apply(action)
+            if msg.has_data:
+                self.return_credit.took(msg.request_id, msg.port)
+        elif isinstance(msg, Credit):
+            for rid, idx, n in msg.grants:
+                if self.send_credit.granted(rid, idx, n):
+                    self.engine.resume(rid)
         elif isinstance(msg, Abort):
             self._abort(msg.request_id)
         elif isinstance(msg, PermitFreed):
@@ -335,8 +322,14 @@ class Worker:
             for action in self.waiting_permits.pop(rid):
                 self._apply(action, permitted=True)
 
+    def _drop_credit(self, rid: str) -> None:
+        self.return_credit.drop(rid)
+        if self.send_credit.drop(rid):
+            self.engine.resume(rid)
+
     def _abort(self, rid: str) -> None:
         self.assembler.drop(rid)
+        self._drop_credit(rid)
         self.waiting_permits.pop(rid, None)
         if rid in self.active:
             self.active.discard(rid)
@@ -402,8 +395,11 @@ class Worker:
             return
         self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))
         for emit in emits:
+            if self.send_credit.on_emit(emit.request_id, emit.outputs, emit.finished, self.port_edges):
+                self.engine.pause(emit.request_id)  # its consumer is behind: the others go on
             if emit.finished:
                 rid = emit.request_id
+                self._drop_credit(rid)
                 if rid in self.active or emit.error is not None:
                     self.stats.outcomes["ok" if emit.error is None else "error"] += 1
                 self.active.discard(rid)
@@ -431,6 +427,8 @@ class Worker:
             "step_hist": list(s.step_hist),
             "step_ms_sum": s.step_ms_sum,
             "outcomes": dict(s.outcomes),
+            "credit_outstanding": self.send_credit.outstanding(),  # chunks sent, not yet consumed
+            "paused": len(self.send_credit.blocked),
             "gc_frozen_objects": gc.get_freeze_count(),
             "engine": self.engine_stats,
         }

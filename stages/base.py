@@ -173,6 +173,24 @@ class StageEngine:
         max_wait); None = only on new input."""
         return None
 
+    # -- flow control (runtime/credit.py) ---------------------------------------------------
+    @property
+    def paused(self) -> set[str]:
+        """Requests whose consumer is behind: an engine that honours this skips them in step()
+        (the rest of the batch goes on) and leaves them out of has_work(); one that does not
+        simply runs ahead."""
+        try:
+            return self._paused
+        except AttributeError:
+            self._paused: set[str] = set()
+            return self._paused
+
+    def pause(self, request_id: str) -> None:
+        self.paused.add(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.paused.discard(request_id)
+
     def close(self) -> None:
         pass
 

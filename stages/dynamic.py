@@ -92,6 +92,7 @@ class DynamicBatchEngine(StageEngine):
         self._ready[rid] = entry
 
     def abort(self, request_id: str) -> None:
+        self.paused.discard(request_id)
         self._pending.pop(request_id, None)
         self._ready.pop(request_id, None)
         it = self._iterators.pop(request_id, None)
@@ -104,8 +105,11 @@ class DynamicBatchEngine(StageEngine):
     def num_requests(self) -> int:
         return len(self._pending) + len(self._ready) + len(self._iterators)
 
+    def _runnable_iterators(self) -> bool:
+        return any(rid not in self.paused for rid in self._iterators) if self.paused else bool(self._iterators)
+
     def has_work(self) -> bool:
-        if self._iterators:
+        if self._runnable_iterators():
             return True
         if not self._ready:
             return False
@@ -131,7 +135,7 @@ class DynamicBatchEngine(StageEngine):
         return n >= self.max_batch_size
 
     def next_wakeup(self) -> float | None:
-        if self._iterators:
+        if self._runnable_iterators():
             return 0.0
         if not self._ready:
             return None
@@ -143,7 +147,8 @@ class DynamicBatchEngine(StageEngine):
     def step(self) -> list[Emission]:
         emissions: list[Emission] = []
         for rid in list(self._iterators):
-            emissions.append(self._advance(rid))
+            if rid not in self.paused:  # a paused request keeps its place; the others go on
+                emissions.append(self._advance(rid))
         if self.has_work() and self._ready:
             emissions.extend(self._run_batch(self._take_batch()))
         return emissions

@@ -169,6 +169,15 @@ class LLMEngine:
         for seq in self.requests.get(request_id, ()):
             seq.decode_embeds_open = is_open
 
+    def hold_request(self, request_id: str, held: bool) -> None:
+        """Hold a request's sequences back (or let them go on) without freeing their blocks."""
+        for seq in self.requests.get(request_id, ()):
+            seq.held = held
+
+    def has_runnable_requests(self) -> bool:
+        """step() would make progress now (not every sequence is held or awaiting rows)."""
+        return bool(self._pending) or self.scheduler.has_runnable()
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request; its sequences report finish_reason "abort" on the next step()."""
         seqs = self.requests.pop(request_id, None)

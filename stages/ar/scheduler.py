@@ -63,8 +63,8 @@ class Scheduler:
 
     def has_runnable(self) -> bool:
         """Some sequence can advance now (not all of them wait for streamed input rows)."""
-        return any(not s.awaiting_decode_embeds for s in self.waiting) or any(
-            s.num_tokens > s.num_computed_tokens and not s.awaiting_decode_embeds for s in self.running
+        return any(not s.stalled for s in self.waiting) or any(
+            s.num_tokens > s.num_computed_tokens and not s.stalled for s in self.running
         )
 
     def _preempt(self, seq: Sequence) -> None:
@@ -84,7 +84,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0 or seq.awaiting_decode_embeds:
+            if n <= 0 or seq.stalled:
                 i += 1
                 continue
             preempted_self = False
@@ -109,7 +109,7 @@ class Scheduler:
         j = 0  # waiting sequences that wait for input rows are passed over, not blocking the queue
         while j < len(self.waiting) and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[j]
-            if seq.awaiting_decode_embeds:
+            if seq.stalled:
                 j += 1
                 continue
             if seq.fork_parent is not None:

@@ -78,6 +78,9 @@ class Sequence:
     # More decode_embeds rows will come (a streaming input): generated token t is fed back only
     # once its row t exists; the sequence waits meanwhile without holding up the others.
     decode_embeds_open: bool = False
+    # Held back by flow control (the request's consumer is behind): skipped like a sequence
+    # awaiting rows, keeping its blocks.
+    held: bool = False
     # Token ids the sampler never picks (transformers' suppress_tokens).
     suppress_token_ids: tuple[int, ...] = ()
     # An embeddings prompt's token ids as the repetition penalty should see them (the Qwen2.5-Omni
@@ -131,6 +134,11 @@ class Sequence:
             return False
         rows = 0 if self.decode_embeds is None else self.decode_embeds.shape[0]
         return self.num_output_tokens - 1 >= rows
+
+    @property
+    def stalled(self) -> bool:
+        """It cannot advance now; the others in the batch go on without it."""
+        return self.held or self.awaiting_decode_embeds
 
     def cache_key_ids(self, start: int, end: int) -> list[int]:
         """What the prefix cache hashes for positions [start, end): token ids, with the prompt's

@@ -191,12 +191,23 @@ class ARLMStage(StageEngine):
             self._pending.append(error_emission(request.request_id, err))
 
     def abort(self, request_id: str) -> None:
+        self.paused.discard(request_id)
         if self._live.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
         self._pending = [e for e in self._pending if e.request_id != request_id]
 
     def has_work(self) -> bool:
+        if self.paused:  # held requests alone give the loop nothing to do
+            return bool(self._pending) or self.engine.has_runnable_requests()
         return bool(self._pending) or self.engine.has_unfinished_requests()
+
+    def pause(self, request_id: str) -> None:
+        super().pause(request_id)
+        self.engine.hold_request(request_id, True)
+
+    def resume(self, request_id: str) -> None:
+        super().resume(request_id)
+        self.engine.hold_request(request_id, False)
 
     def num_requests(self) -> int:
         return len(self._live) + len(self._pending)
