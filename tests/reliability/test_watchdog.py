@@ -15,7 +15,7 @@ from omnistage.graph.loader import load_pipeline_text
 from omnistage.graph.spec import PoolSpec
 from omnistage.runtime.pipeline import Pipeline
 from omnistage.runtime.watchdog import rss_bytes
-from omnistage.tests.reliability.conftest import one_stage_yaml, wait_for
+from omnistage.tests.runtime.conftest import one_stage_yaml, wait_for
 
 HANG = "omnistage.tests.reliability.fault_modules:HangsOnFlag"
 LEAK = "omnistage.tests.reliability.fault_modules:LeaksMemory"

@@ -16,33 +16,11 @@ from omnistage.errors import StageError, WorkerDiedError
 from omnistage.graph.loader import load_pipeline_text
 from omnistage.runtime.pipeline import Pipeline
 from omnistage.runtime.replicas import MAX_RESTART_FAILURES
+from omnistage.tests.runtime.conftest import one_stage_yaml, wait_for
 
 
 def one_stage(factory: str, kwargs: str = "{}", name: str = "faulty") -> str:
-    return f"""
-name: {name}
-inputs: {{x: tensor}}
-outputs: {{y: tensor}}
-stages:
-  s:
-    kind: torch_module
-    params:
-      factory: "{factory}"
-      kwargs: {kwargs}
-      inputs: {{x: tensor}}
-      outputs: {{y: tensor}}
-    batching: {{policy: none}}
-edges:
-  - {{from: inputs.x, to: s.x}}
-  - {{from: s.y, to: outputs.y}}
-"""
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    return one_stage_yaml(factory, name=name, kwargs=kwargs, pass_params=False)
 
 
 def test_constructor_that_raises_fails_the_start_with_its_message():
