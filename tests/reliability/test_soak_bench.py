@@ -1,4 +1,4 @@
-"""`omnistage bench soak --minutes 0.5` as a smoke: it serves real mixed traffic, measures the
+"""`omnistage bench soak --minutes 0.2` as a smoke: it serves real mixed traffic, measures the
 server's process tree before and after, and finds nothing leaked. Also judged here: that a
 leak would show (a process started by the server's tree between the snapshots)."""
 
@@ -18,7 +18,7 @@ def test_soak_smoke_serves_mixed_traffic_and_leaks_nothing(tmp_path):
     out = tmp_path / "soak.json"
     exe = Path(sys.executable).parent / "omnistage"
     run = subprocess.run(
-        [str(exe), "bench", "soak", "--minutes", "0.5", "--json", str(out)], capture_output=True, text=True, timeout=600
+        [str(exe), "bench", "soak", "--minutes", "0.2", "--json", str(out)], capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
