@@ -88,6 +88,13 @@ FAMILIES: dict[str, Family] = {
             {
                 "input": Role("inputs", ("text", "json"), doc="input port taking the text to speak"),
                 "audio": Role("outputs", ("audio",), doc="output port with the waveform (streamed)"),
+                "instructions": Role(
+                    "inputs", ("json", "text"), False, "input port taking `instructions` (json: as a user turn)"
+                ),
+                "info": Role("outputs", ("json",), False, "output port with the text stage's usage (input tokens)"),
+                "speech_info": Role(
+                    "outputs", ("json",), False, "output port with the speech stages' usage (codec_tokens)"
+                ),
             },
             ("text",),
             ("audio",),

@@ -5,9 +5,12 @@ json input port, and `audio`, the waveform output; tiny-omni's thinker says the 
 voice the model lacks is a 400 from the stage naming `voice`. The answer is sent as the audio
 is made (chunked transfer; speech_audio.py: pcm, wav, mp3, opus and aac as they are made,
 flac once complete), or with `stream_format: "sse"` as `speech.audio.delta` events carrying base64
-PCM16 and a closing `speech.audio.done` with usage. `speed` (0.25-4) changes the tempo and
-keeps the pitch. Not served (400 naming the field): `instructions` (no voice direction in
-these models), a voice object other than `{"id": name}`.
+PCM16 and a closing `speech.audio.done` with usage (OpenAI's {input_tokens, output_tokens,
+total_tokens}: every text token the text stage read, from the `info` role, and the codec
+tokens of the `speech_info` role). `speed` (0.25-4) changes the tempo and keeps the pitch.
+`instructions` go to the `instructions` role's port (a json port gets them as a user turn the
+spoken text answers); a pipeline without that role refuses them (400 naming the field), as it
+does a voice object other than `{"id": name}`.
 """
 
 from __future__ import annotations
@@ -74,15 +77,14 @@ def _params(served: Served, body: SpeechRequest) -> dict[str, dict[str, Any]]:
 )
 async def create_speech(body: SpeechRequest, request: Request):
     served = served_pipeline(request, body.model, "speech")
-    if body.instructions:
-        raise UnsupportedError("instructions are not supported by this model (no voice direction)", "instructions")
     if body.stream_format == "sse" and body.response_format != "pcm":
         raise UnsupportedError('stream_format "sse" sends base64 PCM16: use response_format "pcm"', "response_format")
     params = _params(served, body)
-    stream = served.pipeline.stream({served.port("input"): body.input}, params, request_id=new_id("speech"))
+    stream = served.pipeline.stream(_inputs(served, body), params, request_id=new_id("speech"))
     audio_port = served.port("audio")
     rest = await _from_first_audio(request, stream, audio_port)
     encoder = SpeechEncoder(body.response_format, DEFAULT_SAMPLE_RATE, body.speed)
+    infos: dict[str, Any] = {}
 
     async def audio_bytes():
         async for item in rest:
@@ -90,10 +92,12 @@ async def create_speech(body: SpeechRequest, request: Request):
                 data = encoder.feed(item.data)
                 if data:
                     yield data
+            elif item.port != audio_port and item.data is not None:
+                infos[item.port] = item.data
         yield encoder.finish()
 
     if body.stream_format == "sse":
-        return sse_stream(_sse_events(audio_bytes()), stream, done=False)
+        return sse_stream(_sse_events(audio_bytes(), lambda: _usage(served, infos)), stream, done=False)
 
     async def body_bytes():
         try:
@@ -132,8 +136,34 @@ async def _from_first_audio(request: Request, stream, audio_port: str):
     return chained()
 
 
-async def _sse_events(chunks):
+def _inputs(served: Served, body: SpeechRequest) -> dict[str, Any]:
+    inputs: dict[str, Any] = {served.port("input"): body.input}
+    if body.instructions:
+        port = served.port("instructions")
+        if port is None:
+            raise UnsupportedError(f"the model {served.name!r} takes no instructions", "instructions")
+        json_port = served.spec.inputs[port] == "json"
+        inputs[port] = [{"role": "user", "content": body.instructions}] if json_port else body.instructions
+    return inputs
+
+
+def _usage(served: Served, infos: dict[str, Any]) -> dict[str, int] | None:
+    """OpenAI's speech usage: input tokens are every text token the text stage read (its
+    prompt and the forced reply, the input text), output tokens the speech stages' codec tokens."""
+    info_port, speech_port = served.port("info"), served.port("speech_info")
+    if info_port is None and speech_port is None:
+        return None
+    text = (infos.get(info_port) or {}).get("usage") or {}
+    read = int(text.get("prompt_tokens", 0)) + int(text.get("completion_tokens", 0))
+    codes = int(((infos.get(speech_port) or {}).get("usage") or {}).get("codec_tokens", 0))
+    return {"input_tokens": read, "output_tokens": codes, "total_tokens": read + codes}
+
+
+async def _sse_events(chunks, usage):
     async for data in chunks:
         if data:
             yield {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
-    yield {"type": "speech.audio.done"}  # no usage: the speech family has no info role
+    done = {"type": "speech.audio.done"}
+    if (counted := usage()) is not None:  # a pipeline without info roles has nothing to count
+        done["usage"] = counted
+    yield done

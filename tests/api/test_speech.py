@@ -22,12 +22,17 @@ SEED = 3
 SR = 24_000
 
 
+SPEECH_PARAMS = {"talker": {"voice": "Chelsie", "seed": SEED}, "token2wav": {"seed": SEED}}
+
+
 @pytest.fixture(scope="module")
-def python_speech(omni_pipeline) -> np.ndarray:
-    out = omni_pipeline.run(
-        {"speak": TEXT}, {"talker": {"voice": "Chelsie", "seed": SEED}, "token2wav": {"seed": SEED}}, timeout=300
-    )
-    audio = np.asarray(out["audio"], dtype=np.float32).reshape(-1)
+def python_run(omni_pipeline) -> dict:
+    return omni_pipeline.run({"speak": TEXT}, SPEECH_PARAMS, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def python_speech(python_run) -> np.ndarray:
+    audio = np.asarray(python_run["audio"], dtype=np.float32).reshape(-1)
     assert audio.size > 0
     return audio
 
@@ -80,13 +85,34 @@ def test_chunked_response_streams_the_same_bytes(omni, python_speech, fmt, media
     assert len(pieces) >= 2, len(pieces)  # sent as it was made, not one clip at the end
 
 
-def test_sse_sends_speech_audio_delta_events(omni_server, omni):
-    body = {"model": "tiny-omni", "voice": "Chelsie", "input": TEXT, "response_format": "pcm", "seed": SEED}
+def _text_tokens_read(text: str, instructions: str | None = None) -> int:
+    """Tokens the thinker reads to say `text`: the chat template of the speech system prompt
+    and the user turn (the text itself, or the instructions), then the text as the reply; by
+    the checkpoint's own tokenizer and template."""
+    from transformers import AutoTokenizer
+
+    from omnistage.models.recipes import build_recipe
+    from omnistage.stages.omni.inputs import SPEECH_SYSTEM_PROMPT
+
+    tok = AutoTokenizer.from_pretrained(build_recipe("qwen2_5_omni"))
+    turns = [{"role": "system", "content": SPEECH_SYSTEM_PROMPT}, {"role": "user", "content": instructions or text}]
+    prompt = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return len(tok(prompt, add_special_tokens=False)["input_ids"]) + len(
+        tok(text, add_special_tokens=False)["input_ids"]
+    )
+
+
+def test_sse_sends_speech_audio_delta_events_and_usage(omni, python_run):
     events = []
-    with httpx.stream(
-        "POST", omni_server.url + "/v1/audio/speech", json={**body, "stream_format": "sse"}, timeout=300
+    with omni.audio.speech.with_streaming_response.create(
+        model="tiny-omni",
+        voice="Chelsie",
+        input=TEXT,
+        response_format="pcm",
+        stream_format="sse",
+        extra_body={"seed": SEED},
     ) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[len("data: ") :]))
@@ -94,6 +120,30 @@ def test_sse_sends_speech_audio_delta_events(omni_server, omni):
     assert events[-1]["type"] == "speech.audio.done" and len(events) >= 3
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
     assert pcm == _speech(omni, "pcm")
+    codes = len(list(python_run["codes"]))
+    read = _text_tokens_read(TEXT)
+    assert events[-1]["usage"] == {"input_tokens": read, "output_tokens": codes, "total_tokens": read + codes}
+    assert codes > 0
+
+
+def test_instructions_are_the_turn_the_speech_answers(omni, omni_pipeline, python_speech):
+    """`instructions` reach the thinker as the user turn the forced reply answers: the talker
+    hears its hidden states, so they condition the speech (bit for bit the Python API's)."""
+    instructions = "Speak slowly, in a calm and warm voice."
+    reply = omni.audio.speech.create(
+        model="tiny-omni",
+        voice="Chelsie",
+        input=TEXT,
+        instructions=instructions,
+        response_format="pcm",
+        extra_body={"seed": SEED},
+    )
+    ours = np.frombuffer(reply.content, dtype="<i2")
+    messages = [{"role": "user", "content": instructions}]
+    ref = omni_pipeline.run({"speak": TEXT, "messages": messages}, SPEECH_PARAMS, timeout=300)
+    assert np.array_equal(ours, to_pcm16_array(np.asarray(ref["audio"], dtype=np.float32)).reshape(-1))
+    plain = to_pcm16_array(python_speech).reshape(-1)
+    assert ours.shape != plain.shape or not np.array_equal(ours, plain)  # they changed the speech
 
 
 @pytest.mark.parametrize("speed", [0.5, 2.0])
@@ -111,7 +161,6 @@ def test_speed_changes_duration_not_pitch(omni, python_speech, speed):
 @pytest.mark.parametrize(
     ("extra", "status", "param"),
     [
-        ({"instructions": "whisper"}, 400, "instructions"),
         ({"stream_format": "sse", "response_format": "mp3"}, 400, "response_format"),
         ({"voice": "alloy"}, 400, "voice"),
         ({"model": "tiny-llm"}, 404, "model"),  # not on this server
