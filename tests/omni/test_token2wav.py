@@ -28,10 +28,10 @@ def codes_of(n: int, seed: int) -> list[int]:
     return torch.randint(0, CODEC_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def hf_waveform(token2wav, voice: dict, codes: list[int], seed: int) -> torch.Tensor:
+def hf_waveform(token2wav, voice: dict, codes: list[int], seed: int, **ode) -> torch.Tensor:
     torch.manual_seed(seed)  # transformers draws the ODE's noise from the global generator
     with torch.no_grad():
-        wav = token2wav(torch.tensor([codes]), conditioning=voice["cond"], reference_mel=voice["ref_mel"])
+        wav = token2wav(torch.tensor([codes]), conditioning=voice["cond"], reference_mel=voice["ref_mel"], **ode)
     return wav.reshape(-1)
 
 
@@ -55,6 +55,28 @@ def test_full_mode_equals_transformers_omni_checkpoint(omni_dir, omni_ref):
 def test_full_mode_equals_transformers_standalone_directory(ckpt, standalone_reference):
     model, voices = standalone_reference
     check_full_mode(make_stage(ckpt), model, voices, "Ethan", 57)
+
+
+def test_fewer_ode_steps_equal_transformers_and_stay_near_the_default_grid(ckpt, standalone_reference):
+    """`num_steps` below the model's 10 is the speed option (12 DiT evaluations at 4 steps
+    instead of 36): exact against transformers' ODE at the same step count, and its mel within
+    a stated distance of the default grid's (docs/omni-token2wav.md, "Fewer ODE steps")."""
+    from omnistage.stages.omni.token2wav_model import DitWindow, OdeSettings
+    from omnistage.stages.omni.token2wav_windows import RequestNoise
+
+    model, voices = standalone_reference
+    codes = codes_of(57, seed=4)
+    stage = make_stage(ckpt, {"num_steps": 4})
+    want = hf_waveform(model, voices["Ethan"], codes, seed=5, num_steps=4)
+    got, errors = decode(stage, {"r": (codes, {"mode": "full", "voice": "Ethan", "seed": 5})})
+    assert not errors
+    assert (got["r"] - want).abs().max() <= 1e-5
+    net = stage.net
+    window = DitWindow(torch.tensor(codes), RequestNoise(5, net.mel_dim).slice(0, 114), net.voices["Ethan"])
+    default, fewer = (net.sample_mels([window], OdeSettings(num_steps=n))[0] for n in (10, 4))
+    snr = snr_db(fewer, default)
+    print(f"4 ODE steps vs 10: mel SNR {snr:.1f} dB")
+    assert 30 <= snr < 100, snr  # near the default grid's mel, yet a different solve
 
 
 def test_streaming_default_context_against_full_decode(omni_dir):
