@@ -139,6 +139,8 @@ def serve(
         host=host,
         port=port,
         log_level=log_level,
+        loop="uvloop",  # both dependencies: per streamed token the event loop and the
+        http="httptools",  # HTTP writer are most of the server's own work
         lifespan="on",
         timeout_graceful_shutdown=max(1.0, drain_timeout),
         access_log=False,
