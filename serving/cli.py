@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: runtime, ar, ar_engine, diffusion, api, omni; plot a result")
     p.add_argument(
-        "which", choices=["runtime", "ar", "ar_engine", "diffusion", "api", "omni", "jobs", "soak", "realtime", "plot"]
+        "which", choices="runtime ar ar_engine diffusion api omni omni_token2wav jobs soak realtime plot".split()
     )
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser

@@ -59,3 +59,26 @@ def test_quick_bench_produces_the_fixed_lengths_and_matches_transformers(tmp_pat
         per_round = [r["ratios"][key] for r in result["rounds"]]
         assert spread["runs"] == per_round and spread["min"] <= spread["median"] <= spread["max"]
         assert ratios[key] == spread["median"] and spread["min"] == min(per_round)
+
+
+def test_token2wav_bench_quick_counts_real_solves_and_compares_steps(tmp_path, omni_dir):
+    """`omnistage bench omni_token2wav --quick`: the stage really decodes (audio length = codes
+    x 480 samples, 36 / 12 DiT evaluations per ODE solve counted on the network), the
+    reference setting reproduces itself, and 4 ODE steps land near it but not on it."""
+    import torch
+
+    from omnistage.bench import omni_token2wav
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "t2w.json"
+    try:
+        assert omni_token2wav.main(["--quick", "--steps", "10,4", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(out.read_text())
+    ref, fewer = result["settings"]["steps_10"], result["settings"]["steps_4"]
+    assert ref["samples"] == fewer["samples"] == result["codes"] * 480
+    assert (ref["dit_evals_per_ode_solve"], fewer["dit_evals_per_ode_solve"]) == (36, 12)
+    assert ref["mel_snr_db_vs_ref"] > 1000 and ref["wave_snr_db_vs_ref"] > 1000
+    assert 30 <= fewer["mel_snr_db_vs_ref"] < 100
+    assert all(s["rtf"]["median"] > 0 and s["cpu_rtf"]["median"] > 0 for s in (ref, fewer))
