@@ -14,14 +14,14 @@ from omnistage.tests.realtime.conftest import KEY
 def test_quick_bench_measures_spoken_sessions(rt_server, tmp_path):
     out = tmp_path / "realtime.json"
     omnistage = Path(sys.executable).parent / "omnistage"
-    cmd = [str(omnistage), "bench", "realtime", "--quick", "--sessions", "1,2", "--no-progress"]
+    cmd = [str(omnistage), "bench", "realtime", "--quick", "--sessions", "2", "--no-progress"]
     cmd += ["--url", rt_server.url, "--api-key", KEY, "--json", str(out)]
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     plan = result["plan"]
-    assert plan["sessions"] == [1, 2] and "api_key" not in plan
-    for n in (1, 2):
+    assert plan["sessions"] == [2] and "api_key" not in plan
+    for n in plan["sessions"]:
         level = result[f"sessions_{n}"]
         assert level["errors"] == []
         # every session: its turns plus the answer to the interruption
