@@ -62,6 +62,7 @@ class WorkerDiedError(StageError):
 
     code = "worker_died"
     status = 503  # the replica restarts: the same request sent again can succeed (Retry-After)
+    retryable = True  # False: the replica is down for good
 
     @classmethod
     def replica_died(cls, stage: str, replica: int, how: str) -> WorkerDiedError:
@@ -70,7 +71,9 @@ class WorkerDiedError(StageError):
 
     @classmethod
     def replica_gone(cls, stage: str, replica: int, why: str | None) -> WorkerDiedError:
-        return cls(stage, f"replica {replica} is down and could not be restarted ({first_line(why)}); not retryable")
+        error = cls(stage, f"replica {replica} is down and could not be restarted ({first_line(why)}); not retryable")
+        error.retryable = False
+        return error
 
 
 def first_line(text: str | None, limit: int = 200) -> str:

@@ -23,7 +23,7 @@ class JobStatus(enum.StrEnum):
 
 
 # Event types a job's log holds; a webhook may subscribe to any of WEBHOOK_EVENTS.
-EVENT_TYPES = ("queued", "started", "progress", "preview", "output", "completed", "failed", "canceled")
+EVENT_TYPES = ("queued", "started", "progress", "preview", "output", "retry", "completed", "failed", "canceled")
 WEBHOOK_EVENTS = ("started", "progress", "completed", "failed", "canceled")
 DEFAULT_WEBHOOK_EVENTS = ("completed", "failed", "canceled")
 
@@ -74,6 +74,18 @@ class JobEvent:
 
 
 @dataclass
+class EventRecord:
+    """An event to append, with what the same transaction changes on its job and, when the job's
+    webhook takes this event, the message for the outbox ({"url", "secret", "payload"})."""
+
+    job_id: str
+    type: str
+    data: dict[str, Any]
+    webhook: dict[str, Any] | None = None
+    job_update: dict[str, Any] | None = None
+
+
+@dataclass
 class Delivery:
     """One webhook message in the outbox: its id is the `webhook-id` every retry repeats."""
 
@@ -110,12 +122,17 @@ class JobsConfig:
     sweep_interval_s: float = 60.0
     max_queued_per_key: int | None = None  # queued jobs one API key may have (None: no limit)
     db_url: str | None = None  # postgresql+psycopg://...: a store shared by several servers
+    max_attempts: int = 3  # runs of a job whose stage worker died under it (retries + 1)
+    retry_backoff_s: float = 1.0  # wait before the first such retry; doubled for each next one
+    webhook_resolver: str | None = None  # "host[:port]" of a DNS server for webhook hosts (None: the system's)
 
     def __post_init__(self) -> None:
         if self.on_interrupt not in ("rerun", "fail"):
             raise ValueError(f"on_interrupt must be 'rerun' or 'fail', not {self.on_interrupt!r}")
         if self.max_queued_per_key is not None and self.max_queued_per_key < 1:
             raise ValueError("max_queued_per_key must be at least 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
         if self.max_running_per_model < 1:
             raise ValueError("max_running_per_model must be at least 1")
         for secret in self.webhook_secrets:
@@ -152,4 +169,7 @@ class JobsConfig:
             if env.get("OMNISTAGE_JOBS_MAX_QUEUED_PER_KEY")
             else None,
             db_url=env.get("OMNISTAGE_JOBS_DB") or None,
+            max_attempts=int(env.get("OMNISTAGE_JOBS_MAX_ATTEMPTS", "3")),
+            retry_backoff_s=_env_float("OMNISTAGE_JOBS_RETRY_BACKOFF_S", 1.0),
+            webhook_resolver=env.get("OMNISTAGE_WEBHOOK_RESOLVER") or None,
         )

@@ -15,7 +15,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from omnistage.errors import OmnistageError
+from omnistage.errors import OmnistageError, WorkerDiedError
+from omnistage.serving.errors import storage_full
 from omnistage.serving.jobs.live import LiveAudio, LiveVideo
 from omnistage.serving.jobs.model import Job, JobStatus
 from omnistage.serving.jobs.outputs import output_formats, write_outputs
@@ -38,39 +39,51 @@ class Scheduler:
         self.running: dict[str, asyncio.Task] = {}  # job id -> its task
         self.live: dict[str, LiveVideo | LiveAudio] = {}  # job id -> its media being streamed
         self.wake = asyncio.Event()
+        self._models: dict[str, str] = {}
+        self._claiming = False  # a claim is in the store's thread: its jobs have no task yet
+        self._cancel_after_claim: set[str] = set()
 
     def running_for(self, model: str) -> int:
         return sum(1 for job_id, model_of in self._models.items() if model_of == model and job_id in self.running)
 
     async def run(self) -> None:
-        self._models: dict[str, str] = {}
         renewed = time.monotonic()
         while True:
-            self._start_what_fits()
+            self.wake.clear()
+            await self._start_what_fits()
             if time.monotonic() - renewed >= RENEW_S:
                 renewed = time.monotonic()
                 await self._renew()
-            self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
             except TimeoutError:
                 pass
 
-    def _start_what_fits(self) -> None:
+    async def _start_what_fits(self) -> None:
         store, registry = self.service.store, self.service.registry
         limit = self.service.config.max_running_per_model
-        for model in store.queued_models():
+        for model in await asyncio.to_thread(store.queued_models):
             entry = registry.entry(model)
             if entry is None or not entry.is_ready() or registry.draining:
                 continue  # waits in the store until the pipeline is ready
             room = limit - self.running_for(model)
             if room <= 0:
                 continue
-            for job in store.claim_queued(model, room, self.service.runner, time.time() + LEASE_S):
+            self._claiming = True
+            try:
+                claimed = await asyncio.to_thread(
+                    store.claim_queued, model, room, self.service.runner, time.time() + LEASE_S
+                )
+            finally:
+                self._claiming = False
+            for job in claimed:
                 self._models[job.id] = model
-                task = asyncio.create_task(self._run_job(job, entry.pipeline), name=f"job-{job.id}")
+                task = asyncio.create_task(self._run_job(job, entry), name=f"job-{job.id}")
                 self.running[job.id] = task
                 task.add_done_callback(lambda _t, job_id=job.id: self._finished(job_id))
+                if job.id in self._cancel_after_claim:  # canceled while the claim was in flight
+                    task.cancel()
+            self._cancel_after_claim.clear()
 
     async def _renew(self) -> None:
         """Keep this server's claim on its running jobs; cancel those a client canceled through
@@ -86,15 +99,52 @@ class Scheduler:
         self.wake.set()
 
     def cancel(self, job_id: str) -> bool:
+        """Cancel a running job's task: True when this server runs it (or is claiming jobs, so
+        that it may: the job's task is canceled as soon as it exists)."""
         task = self.running.get(job_id)
         if task is None:
-            return False
+            if self._claiming:
+                self._cancel_after_claim.add(job_id)
+            return self._claiming
         task.cancel()
         return True
 
-    async def _run_job(self, job: Job, pipeline: Any) -> None:
+    async def _run_job(self, job: Job, entry: Any) -> None:
+        """Run the job; a stage worker that died under it (the runtime restarts it) costs a retry
+        after a backoff, up to `max_attempts` runs, then the job fails with that error."""
+        service, config = self.service, self.service.config
+        try:
+            while True:
+                died = await self._attempt(job, entry.pipeline)
+                if died is None:
+                    return
+                if job.attempts >= config.max_attempts:
+                    died["message"] += f" (the job ran {job.attempts} times; max_attempts is {config.max_attempts})"
+                    await service.finish(job.id, JobStatus.FAILED, error=died)
+                    return
+                wait = config.retry_backoff_s * 2 ** (job.attempts - 1)
+                log.info("job %s: attempt %d lost its worker; retrying in %.1f s", job.id, job.attempts, wait)
+                data = {"attempt": job.attempts, "next_attempt": job.attempts + 1, "in_s": wait, "error": died}
+                await service.emit(job.id, "retry", data, webhook=False, job_update={"progress_done": 0})
+                await asyncio.sleep(wait)
+                while not entry.is_ready():  # the runtime is still restarting the worker
+                    await asyncio.sleep(0.1)
+                job.attempts += 1
+        except asyncio.CancelledError:
+            if service.stopping:  # the server stops, not the client: the next start runs it again
+                await service.emit(job.id, "queued", {"reason": "server stopped"}, webhook=False,
+                                   job_update={"status": JobStatus.QUEUED, "started_at": None})  # fmt: skip
+            else:
+                await service.finish(job.id, JobStatus.CANCELED, error=None)
+            raise
+        except Exception as err:  # noqa: BLE001 - the store refused the job's events (say, a full disk)
+            await service.finish_when_stored(job.id, _failure(job, err))
+
+    async def _attempt(self, job: Job, pipeline: Any) -> dict | None:
+        """One run of the job, finished as completed or failed; except when a stage worker died
+        under it and a retry can help: then its error, and the job stays in_progress."""
         service = self.service
-        service.emit(job.id, "started", {"attempt": job.attempts})
+        await service.emit(job.id, "started", {"attempt": job.attempts}, job_update={"attempts": job.attempts})
         live = self._live_video(job, pipeline)
         try:
             outputs = await self._stream(job, pipeline, live)
@@ -104,22 +154,15 @@ class Scheduler:
             record = await asyncio.to_thread(
                 write_outputs, job.id, outputs, formats, service.config.outputs_dir, prebuilt
             )
-        except asyncio.CancelledError:
-            if service.stopping:  # the server stops, not the client: the next start runs it again
-                service.emit(job.id, "queued", {"reason": "server stopped"}, webhook=False,
-                             job_update={"status": JobStatus.QUEUED, "started_at": None})  # fmt: skip
-            else:
-                service.finish(job.id, JobStatus.CANCELED, error=None)
-            raise
         except OmnistageError as err:
             error = {"message": str(err), "code": err.code, "param": getattr(err, "param", None), "status": err.status}
-            service.finish(job.id, JobStatus.FAILED, error=error)
-            return
+            if isinstance(err, WorkerDiedError) and err.retryable:
+                return error
+            await service.finish(job.id, JobStatus.FAILED, error=error)
+            return None
         except Exception as err:  # noqa: BLE001 - a job's failure must not stop the scheduler
-            log.exception("job %s failed", job.id)
-            error = {"message": f"{type(err).__name__}: {err}", "code": "internal_error", "param": None, "status": 500}
-            service.finish(job.id, JobStatus.FAILED, error=error)
-            return
+            await service.finish(job.id, JobStatus.FAILED, error=_failure(job, err))
+            return None
         finally:
             if live is not None:
                 live.done = True
@@ -127,8 +170,9 @@ class Scheduler:
                 service.notify()
         for port, value in record.items():
             if isinstance(value, dict) and "files" in value:
-                service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
-        service.finish(job.id, JobStatus.COMPLETED, outputs=record)
+                await service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
+        await service.finish(job.id, JobStatus.COMPLETED, outputs=record)
+        return None
 
     def _live_video(self, job: Job, pipeline: Any) -> LiveVideo | LiveAudio | None:
         """The job's first MP4 video or WAV/PCM audio port, sent to stream clients as it is made
@@ -156,14 +200,25 @@ class Scheduler:
             async for chunk in stream:
                 if chunk.progress is not None and tuple(chunk.progress) != last_progress:
                     last_progress = tuple(chunk.progress)
-                    self.service.progress(job.id, *last_progress, stage=chunk.stage)
+                    await self.service.progress(job.id, *last_progress, stage=chunk.stage)
                 if chunk.port is not None and chunk.data is not None:
                     chunks.setdefault(chunk.port, []).append(chunk.data)
                     if live is not None and chunk.port == live.port and await asyncio.to_thread(live.push, chunk.data):
                         self.service.notify()
                     if not chunk.final:
                         index = len(chunks[chunk.port]) - 1
-                        self.service.emit(job.id, "preview", {"port": chunk.port, "chunk": index}, webhook=False)
+                        data = {"port": chunk.port, "chunk": index}
+                        await self.service.emit(job.id, "preview", data, webhook=False)
         finally:
             await stream.aclose()
         return {p: combine_chunks(c) for p, c in chunks.items()}
+
+
+def _failure(job: Job, err: Exception) -> dict:
+    """The error of a job that failed on something other than a clear OmnistageError."""
+    if storage_full(err):
+        log.error("job %s failed: storage full: %s", job.id, err)
+        message = "the server's storage is full (its job store or output directory); the job's outputs were not kept"
+        return {"message": message, "code": "storage_full", "param": None, "status": 507}
+    log.exception("job %s failed", job.id, exc_info=err)
+    return {"message": f"{type(err).__name__}: {err}", "code": "internal_error", "param": None, "status": 500}

@@ -1,8 +1,10 @@
 """JobService: submit, cancel and describe jobs; owns the scheduler, the webhook sender and the
 retention sweep for the lifetime of the app.
 
-State transitions and their events run on the event loop's thread (the store calls are
-short), so a cancel can never race the scheduler's claim of the same job.
+A job's events, with their status changes and webhook messages, are group-committed off the
+event loop (`emit` awaits the transaction that holds its event: serving/jobs/group_commit.py).
+A cancel marks the job in the store first; the scheduler never claims a marked job, and a
+claim already in flight is canceled as soon as it lands (scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,16 +22,26 @@ from typing import Any
 from omnistage.errors import InvalidRequestError, NotFoundError, OmnistageError
 from omnistage.serving.errors import ModelNotFoundError
 from omnistage.serving.jobs.admission import SubmitBatcher
-from omnistage.serving.jobs.model import DEFAULT_WEBHOOK_EVENTS, WEBHOOK_EVENTS, Job, JobsConfig, JobStatus
+from omnistage.serving.jobs.group_commit import GroupCommitter
+from omnistage.serving.jobs.model import (
+    DEFAULT_WEBHOOK_EVENTS,
+    WEBHOOK_EVENTS,
+    EventRecord,
+    Job,
+    JobEvent,
+    JobsConfig,
+    JobStatus,
+)
 from omnistage.serving.jobs.outputs import delete_outputs, output_formats
 from omnistage.serving.jobs.scheduler import Scheduler
-from omnistage.serving.jobs.ssrf import check_destination, needs_lookup, parse_allow_list
+from omnistage.serving.jobs.ssrf import Resolver, check_destination, needs_lookup, parse_allow_list
 from omnistage.serving.jobs.store import JobStore, open_store
 from omnistage.serving.jobs.webhooks import WebhookSender
 
 log = logging.getLogger("omnistage.jobs")
 
 QUEUE_FULL_RETRY_S = 5  # Retry-After of a 429 for a full per-key queue
+UNSTORED_RETRY_S = 1.0  # how often a failure the store refused is written again
 
 
 class JobConflictError(OmnistageError):
@@ -60,45 +72,54 @@ class JobService:
         self.config = config
         self.store = store if store is not None else open_store(config.db_url, config.db_path)
         self.allow = parse_allow_list(config.webhook_allow)
+        self.resolver = Resolver(config.webhook_resolver)
         self.scheduler = Scheduler(self)
-        self.sender = WebhookSender(self.store, config)
+        self.sender = WebhookSender(self.store, config, self.resolver)
         self.admission = SubmitBatcher(self.store, config.max_queued_per_key)
+        self.events = GroupCommitter(self._write_events, after=self._events_written)
         self.changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self.runner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this server, in leases
         self.stopping = False  # set by stop(): running jobs go back to the queue, not to canceled
+        self.unstored: dict[str, tuple[dict, float]] = {}  # job id -> (error, at): failed, not yet stored
 
     # -- lifetime -----------------------------------------------------------------------------------
     async def start(self) -> None:
         self.config.outputs_dir.mkdir(parents=True, exist_ok=True)
+        self._writers = [asyncio.create_task(self.admission.run()), asyncio.create_task(self.events.run())]
         # alone on its store, every running job was this server's; shared, only lapsed leases are dead
-        self.recover(time.time() if self.store.shared else math.inf)
-        for coro in (self.admission.run(), self.scheduler.run(), self.sender.run(), self._sweep()):
+        await self.recover(time.time() if self.store.shared else math.inf)
+        for coro in (self.scheduler.run(), self.sender.run(), self._sweep()):
             self._tasks.append(asyncio.create_task(coro))
 
     async def stop(self) -> None:
         self.stopping = True
         for task in [*self._tasks, *self.scheduler.running.values()]:
             task.cancel()
+        # the running jobs' tasks write their way back to the queue before the writers stop
         await asyncio.gather(*self._tasks, *self.scheduler.running.values(), return_exceptions=True)
+        await self.events.idle.wait()
+        for task in self._writers:
+            task.cancel()
+        await asyncio.gather(*self._writers, return_exceptions=True)
         self.store.close()
 
-    def recover(self, now: float = math.inf) -> None:
+    async def recover(self, now: float = math.inf) -> None:
         """Jobs a dead server left in_progress: queue them again or fail them. `now`: only those
         whose runner's lease ended before it (a shared store; inf: every one, at a lone start)."""
-        for job in self.store.interrupted_jobs(now):
+        for job in await asyncio.to_thread(self.store.interrupted_jobs, now):
             if self.config.on_interrupt == "rerun":
                 log.info("job %s was interrupted; running it again", job.id)
-                self.emit(job.id, "queued", {"reason": "interrupted"}, webhook=False,
-                          job_update={"status": JobStatus.QUEUED, "started_at": None})  # fmt: skip
+                await self.emit(job.id, "queued", {"reason": "interrupted"}, webhook=False,
+                                job_update={"status": JobStatus.QUEUED, "started_at": None})  # fmt: skip
             else:
                 error = {"message": "the server stopped while this job ran", "code": "interrupted", "param": None}
-                self.finish(job.id, JobStatus.FAILED, error=error)
+                await self.finish(job.id, JobStatus.FAILED, error=error)
 
     async def _sweep(self) -> None:
         while True:
             if self.store.shared:  # another server may have died with jobs running
-                self.recover(time.time())
+                await self.recover(time.time())
             for job in await asyncio.to_thread(self.store.expired_jobs, time.time()):
                 await asyncio.to_thread(delete_outputs, self.config.outputs_dir, job.id)
                 await asyncio.to_thread(self.store.delete_job, job.id)
@@ -114,9 +135,9 @@ class JobService:
         if webhook is not None:
             webhook = self._check_webhook(webhook)
             if needs_lookup(webhook["url"]):  # DNS never runs on the event loop
-                await asyncio.to_thread(check_destination, webhook["url"], self.allow)
+                await asyncio.to_thread(check_destination, webhook["url"], self.allow, self.resolver)
             else:
-                check_destination(webhook["url"], self.allow)
+                check_destination(webhook["url"], self.allow, self.resolver)
         job = Job(
             id=f"job_{uuid.uuid4().hex}", model=model, inputs=inputs, params=params, priority=priority,
             metadata=metadata, webhook=webhook, output_format=output_format, idempotency_key=idempotency_key,
@@ -165,43 +186,63 @@ class JobService:
         job = self.store.get_job(job_id)
         if job is None or (owner is not None and job.owner != owner):
             raise JobNotFoundError(job_id)
+        if job_id in self.unstored and not job.status.finished:
+            job.status, job.error, job.finished_at = JobStatus.FAILED, *self.unstored[job_id]
         return job
 
-    def cancel(self, job_id: str, owner: str | None = None) -> Job:
+    async def cancel(self, job_id: str, owner: str | None = None) -> Job:
         job = self.get(job_id, owner)
-        if job.status.finished:
-            raise JobConflictError(f"job {job_id} is already {job.status.value}; only queued or running jobs cancel")
-        self.store.update_job(job_id, cancel_requested=True)
-        if job.status is JobStatus.QUEUED:
-            self.finish(job_id, JobStatus.CANCELED)
+        status = job.status if job.status.finished else await asyncio.to_thread(self.store.request_cancel, job_id)
+        if status is None:
+            raise JobNotFoundError(job_id)
+        if status.finished:
+            raise JobConflictError(f"job {job_id} is already {status.value}; only queued or running jobs cancel")
+        if status is JobStatus.QUEUED:  # marked: no scheduler claims it any more
+            await self.finish(job_id, JobStatus.CANCELED)
         elif not self.scheduler.cancel(job_id) and not self.store.shared:
-            self.finish(job_id, JobStatus.CANCELED)  # in_progress but no task: a rerun after restart
+            await self.finish(job_id, JobStatus.CANCELED)  # in_progress but no task: a rerun after restart
         # on a shared store the server running it sees cancel_requested when it renews its lease
         return self.get(job_id)
 
     # -- events -------------------------------------------------------------------------------------
-    def emit(self, job_id: str, type: str, data: dict, *, webhook: bool = True, job_update: dict | None = None):
-        job = self.store.get_job(job_id)
-        if job is None:
-            return None
-        delivery = None
-        if webhook and job.webhook is not None and type in job.webhook.get("events", ()):
-            if job_update:  # the webhook shows the job as this event leaves it
-                for name, value in job_update.items():
-                    setattr(job, name, value)
-            payload = {"type": f"job.{type}", "timestamp": _iso(time.time()), "data": self.job_json(job)}
-            delivery = {"url": job.webhook["url"], "secret": job.webhook.get("secret"), "payload": json.dumps(payload)}
-        event = self.store.record_event(job_id, type, data, webhook=delivery, job_update=job_update)
-        if delivery is not None:
-            self.sender.wake.set()
+    async def emit(self, job_id: str, type: str, data: dict, *, webhook: bool = True,
+                   job_update: dict | None = None) -> JobEvent | None:  # fmt: skip
+        """Append the event (with its job update and webhook message); returns once it is
+        committed, in one transaction with the events emitted meanwhile. None: no such job."""
+        return await self.events.submit((EventRecord(job_id, type, data, None, job_update), webhook))
+
+    def _write_events(self, batch: list[tuple[EventRecord, bool]]) -> list[JobEvent | None]:
+        """In the writer's thread: each webhook payload shows the job as its event leaves it
+        (the batch's earlier updates applied), then one transaction for the whole batch."""
+        jobs: dict[str, Job | None] = {}
+        records: list[EventRecord | None] = []
+        for record, webhook in batch:
+            if record.job_id not in jobs:
+                jobs[record.job_id] = self.store.get_job(record.job_id)
+            job = jobs[record.job_id]
+            if job is None:  # deleted meanwhile
+                records.append(None)
+                continue
+            for name, value in (record.job_update or {}).items():
+                setattr(job, name, value)
+            if webhook and job.webhook is not None and record.type in job.webhook.get("events", ()):
+                payload = {"type": f"job.{record.type}", "timestamp": _iso(time.time()), "data": self.job_json(job)}
+                hook = job.webhook
+                record.webhook = {"url": hook["url"], "secret": hook.get("secret"), "payload": json.dumps(payload)}
+            records.append(record)
+        written = iter(self.store.record_events([r for r in records if r is not None]))
+        return [None if r is None else next(written) for r in records]
+
+    def _events_written(self, results: list) -> None:
+        self.sender.wake.set()  # a cheap wake; the sender finds what is due
         self.notify()
-        return event
 
-    def progress(self, job_id: str, done: int, total: int, stage: str | None) -> None:
+    async def progress(self, job_id: str, done: int, total: int, stage: str | None) -> None:
         data = {"done": done, "total": total, "percent": _percent(done, total), "stage": stage}
-        self.emit(job_id, "progress", data, job_update={"progress_done": done, "progress_total": total})
+        await self.emit(job_id, "progress", data, job_update={"progress_done": done, "progress_total": total})
 
-    def finish(self, job_id: str, status: JobStatus, *, error: dict | None = None, outputs: dict | None = None):
+    async def finish(self, job_id: str, status: JobStatus, *, error: dict | None = None,
+                     outputs: dict | None = None) -> None:  # fmt: skip
         now = time.time()
         update: dict[str, Any] = {"status": status, "finished_at": now, "expires_at": now + self.config.retention_s}
         if error is not None:
@@ -211,7 +252,23 @@ class JobService:
         data: dict[str, Any] = {"status": status.value}
         if error is not None:
             data["error"] = error
-        self.emit(job_id, status.value, data, job_update=update)
+        await self.emit(job_id, status.value, data, job_update=update)
+
+    async def finish_when_stored(self, job_id: str, error: dict) -> None:
+        """Fail a job whose end the store refused to write (a full disk): the job reads as failed
+        at once, and the write is tried again until the store takes it."""
+        self.unstored[job_id] = (error, time.time())
+        self.notify()
+        try:
+            while True:
+                try:
+                    await self.finish(job_id, JobStatus.FAILED, error=error)
+                    return
+                except Exception as exc:  # noqa: BLE001 - retried until it is stored
+                    log.warning("job %s: its failure is not stored yet (%s); retrying", job_id, exc)
+                    await asyncio.sleep(UNSTORED_RETRY_S)
+        finally:
+            self.unstored.pop(job_id, None)
 
     def notify(self) -> None:
         async def notify():

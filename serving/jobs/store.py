@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
-from omnistage.serving.jobs.model import Admitted, Delivery, Job, JobEvent, JobStatus
+from omnistage.serving.jobs.model import Admitted, Delivery, EventRecord, Job, JobEvent, JobStatus
 from omnistage.serving.jobs.schema import MIGRATIONS, column_values, job_values, migration_statements, row_to_job
 
 __all__ = ["MIGRATIONS", "Database", "JobStore", "SQLiteDatabase", "SQLiteJobStore", "SqlJobStore", "open_store"]
@@ -50,6 +50,8 @@ class JobStore(Protocol):
     def update_job(self, job_id: str, **fields: Any) -> None: ...
     def record_event(self, job_id: str, type: str, data: dict, *, webhook: dict | None = None,
                      job_update: dict | None = None) -> JobEvent: ...  # fmt: skip
+    def record_events(self, records: list[EventRecord]) -> list[JobEvent]: ...
+    def request_cancel(self, job_id: str) -> JobStatus | None: ...
     def events_after(self, job_id: str, seq: int) -> list[JobEvent]: ...
     def claim_deliveries(self, now: float, limit: int, lease_s: float) -> list[Delivery]: ...
     def release_deliveries(self, ids: list[str]) -> None: ...
@@ -193,8 +195,8 @@ class SqlJobStore:
         now = time.time()
         with self.db.transaction() as tx:
             rows = tx.execute(
-                "SELECT * FROM jobs WHERE model = :m AND status = 'queued' ORDER BY priority DESC, created_at, id "
-                f"LIMIT :limit{self.db.skip_locked}",
+                "SELECT * FROM jobs WHERE model = :m AND status = 'queued' AND cancel_requested = 0 "
+                f"ORDER BY priority DESC, created_at, id LIMIT :limit{self.db.skip_locked}",
                 {"m": model, "limit": limit},
             )
             for row in rows:
@@ -225,6 +227,14 @@ class SqlJobStore:
                 {"runner": runner},
             )
         return [r["id"] for r in rows]
+
+    def request_cancel(self, job_id: str) -> JobStatus | None:
+        """Mark the job's cancel as asked; returns its status at that moment (None: no such job).
+        A queued job marked here is never claimed afterwards."""
+        with self.db.transaction() as tx:
+            tx.execute("UPDATE jobs SET cancel_requested = 1 WHERE id = :id", {"id": job_id})
+            rows = tx.execute("SELECT status FROM jobs WHERE id = :id", {"id": job_id})
+        return JobStatus(rows[0]["status"]) if rows else None
 
     def queued_models(self) -> list[str]:
         return [r["model"] for r in self.db.read("SELECT DISTINCT model FROM jobs WHERE status = 'queued'")]
@@ -260,25 +270,40 @@ class SqlJobStore:
         """Append an event; in the same transaction update the job and queue its webhook message.
 
         `webhook`: {"url", "secret", "payload"} when this event goes to the job's endpoint."""
+        return self.record_events([EventRecord(job_id, type, data, webhook, job_update)])[0]
+
+    def record_events(self, records: list[EventRecord]) -> list[JobEvent]:
+        """Append events in one transaction (a group commit), each with its job update and
+        webhook message: a crash keeps all of them or none."""
         now = time.time()
+        events = []
         with self.db.transaction() as tx:
-            if job_update:
-                _update(tx, job_id, job_update)
-            seq = tx.execute(
-                "INSERT INTO job_events (job_id, type, data, created_at) VALUES (:id, :type, :data, :at) RETURNING seq",
-                {"id": job_id, "type": type, "data": json.dumps(data), "at": now},
-            )[0]["seq"]
-            if webhook is not None:
-                disabled = tx.execute("SELECT 1 AS x FROM disabled_endpoints WHERE url = :url", {"url": webhook["url"]})
-                if not disabled:
+            disabled: dict[str, bool] = {}
+            for r in records:
+                if r.job_update:
+                    _update(tx, r.job_id, r.job_update)
+                seq = tx.execute(
+                    "INSERT INTO job_events (job_id, type, data, created_at) VALUES (:id, :type, :data, :at) "
+                    "RETURNING seq",
+                    {"id": r.job_id, "type": r.type, "data": json.dumps(r.data), "at": now},
+                )[0]["seq"]
+                events.append(JobEvent(seq, r.job_id, r.type, r.data, now))
+                if r.webhook is None:
+                    continue
+                url = r.webhook["url"]
+                if url not in disabled:
+                    disabled[url] = bool(
+                        tx.execute("SELECT 1 AS x FROM disabled_endpoints WHERE url = :url", {"url": url})
+                    )
+                if not disabled[url]:
                     tx.execute(
                         "INSERT INTO webhook_outbox (id, job_id, event_type, url, payload, secret, status, "
                         "next_attempt_at, created_at) VALUES (:id, :job, :type, :url, :payload, :secret, 'pending', "
                         ":now, :now)",
-                        {"id": f"msg_{uuid.uuid4().hex}", "job": job_id, "type": type, "url": webhook["url"],
-                         "payload": webhook["payload"], "secret": webhook.get("secret"), "now": now},
+                        {"id": f"msg_{uuid.uuid4().hex}", "job": r.job_id, "type": r.type, "url": url,
+                         "payload": r.webhook["payload"], "secret": r.webhook.get("secret"), "now": now},
                     )  # fmt: skip
-        return JobEvent(seq, job_id, type, data, now)
+        return events
 
     def events_after(self, job_id: str, seq: int) -> list[JobEvent]:
         rows = self.db.read(
@@ -367,7 +392,9 @@ def _update(tx, job_id: str, fields: dict[str, Any]) -> None:
 
 
 class SQLiteDatabase:
-    """One SQLite file in WAL mode; one connection shared by threads under a lock."""
+    """One SQLite file in WAL mode: a writing connection and a reading one, each shared by
+    threads under its own lock, so a read never waits for a write transaction (WAL readers see
+    the last commit)."""
 
     dialect = "sqlite"
     shared = False  # one server per jobs directory (the routes' lock file)
@@ -381,10 +408,13 @@ class SQLiteDatabase:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a process kill
+        self._read_lock = threading.Lock()
+        self._reader = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._reader.row_factory = sqlite3.Row
 
     def read(self, sql: str, params: dict | None = None) -> list[dict]:
-        with self._lock:
-            return [dict(r) for r in self._db.execute(sql, params or {}).fetchall()]
+        with self._read_lock:
+            return [dict(r) for r in self._reader.execute(sql, params or {}).fetchall()]
 
     @contextmanager
     def transaction(self):
@@ -415,8 +445,9 @@ class SQLiteDatabase:
                 self._db.executescript(f"BEGIN;\n{script};\nPRAGMA user_version = {number};\nCOMMIT;")
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._read_lock:
             self._db.close()
+            self._reader.close()
 
 
 class SQLiteJobStore(SqlJobStore):

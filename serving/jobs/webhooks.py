@@ -25,7 +25,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 
 from omnistage.serving.jobs.model import Delivery, JobsConfig
-from omnistage.serving.jobs.ssrf import UnsafeDestinationError, check_destination, parse_allow_list
+from omnistage.serving.jobs.ssrf import Resolver, UnsafeDestinationError, check_destination, parse_allow_list, pinned
 from omnistage.serving.jobs.store import JobStore
 
 log = logging.getLogger("omnistage.jobs")
@@ -68,10 +68,11 @@ def retry_after_seconds(value: str | None) -> float | None:
 class WebhookSender:
     """Delivers the outbox's due messages until stopped."""
 
-    def __init__(self, store: JobStore, config: JobsConfig):
+    def __init__(self, store: JobStore, config: JobsConfig, resolver: Resolver | None = None):
         self.store = store
         self.config = config
         self.allow = parse_allow_list(config.webhook_allow)
+        self.resolver = resolver or Resolver(config.webhook_resolver)
         self.wake = asyncio.Event()
         self._client: httpx.AsyncClient | None = None
 
@@ -114,10 +115,13 @@ class WebhookSender:
         status, error, retry_after, refused = None, None, None, False
         started = time.monotonic()
         try:
-            await asyncio.to_thread(check_destination, delivery.url, self.allow)
+            # resolved again now, and the request goes to an address this check accepted
+            addresses = await asyncio.to_thread(check_destination, delivery.url, self.allow, self.resolver)
+            url, host, extensions = pinned(delivery.url, addresses[0])
             timestamp = int(time.time())
             headers = webhook_headers(self._secrets(delivery), delivery.id, timestamp, delivery.payload)
-            response = await self._client.post(delivery.url, content=delivery.payload.encode(), headers=headers)
+            body = delivery.payload.encode()
+            response = await self._client.post(url, content=body, headers={**headers, **host}, extensions=extensions)
             status = response.status_code
             retry_after = retry_after_seconds(response.headers.get("retry-after"))
         except UnsafeDestinationError as exc:

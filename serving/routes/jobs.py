@@ -154,7 +154,7 @@ async def retrieve_job(job_id: str, request: Request) -> dict:
 @router.delete("/v1/jobs/{job_id}")
 async def cancel_job(job_id: str, request: Request) -> dict:
     service = jobs_service(request)
-    service.cancel(job_id, owner_of(request))
+    await service.cancel(job_id, owner_of(request))
     task = service.scheduler.running.get(job_id)
     if task is not None:
         await asyncio.wait({task}, timeout=CANCEL_WAIT_S)

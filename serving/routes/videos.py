@@ -204,7 +204,7 @@ async def delete_video(video_id: str, request: Request):
     service = jobs_service(request)
     job = _video(service, video_id, request)
     if not job.status.finished:
-        service.cancel(video_id, owner_of(request))
+        await service.cancel(video_id, owner_of(request))
         task = service.scheduler.running.get(video_id)
         if task is not None:
             await asyncio.wait({task}, timeout=5.0)
