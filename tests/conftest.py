@@ -29,3 +29,32 @@ def png_colors():
 
     read.rgb = ImageColor.getrgb
     return read
+
+
+# Servers more than one folder talks to without changing them: started once per session (each
+# start costs seconds of imports and engine builds), stopped when the session ends.
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory):
+    """`omnistage serve tiny-llm tiny-image tiny-video tiny-diamond`: the shipped tiny pipelines
+    behind HTTP, for every test that sends them requests and leaves the server as it found it."""
+    from omnistage.tests.serving.conftest import start_server
+
+    args = ["tiny-llm", "tiny-image", "tiny-video", "tiny-diamond"]
+    server = start_server(args, tmp_path_factory.mktemp("serve-tiny") / "server.log")
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def omni_server(tmp_path_factory):
+    """`omnistage serve tiny-omni` (no API key, jobs in a temporary folder): chat with audio,
+    speech, audio outputs and jobs, for the tests that only send it requests."""
+    from omnistage.tests.api.conftest import live_server
+
+    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
+        yield server

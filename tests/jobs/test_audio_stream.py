@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 import websockets
 
-from omnistage.tests.jobs.conftest import jobs_env, start_jobs_server, wait_status
+from omnistage.tests.jobs.conftest import wait_status
 
 SPEECH_JOB = {
     "model": "tiny-omni",
@@ -24,17 +24,6 @@ SPEECH_JOB = {
         "token2wav": {"voice": "Ethan", "seed": 0},
     },
 }
-
-
-@pytest.fixture(scope="module")
-def omni_server(tmp_path_factory):
-    base = tmp_path_factory.mktemp("jobs-omni")
-    server = start_jobs_server(["tiny-omni"], base / "server.log", jobs_env(base / "jobs"))
-    try:
-        server.wait_ready(timeout=600)
-        yield server
-    finally:
-        server.stop()
 
 
 async def _watch(url: str) -> tuple[list[bytes], list[dict], int | None]:

@@ -18,7 +18,6 @@ from omnistage.graph.loader import load_pipeline
 from omnistage.models.recipes import resolve_model
 from omnistage.stages.diffusion.adapters import sd3, wan
 from omnistage.stages.diffusion.limits import read_config
-from omnistage.tests.serving.conftest import start_server
 
 
 def _limits(recipe: str, family):
@@ -96,13 +95,9 @@ def test_wan_range_is_the_transformers_own():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = start_server(["tiny-image", "tiny-video"], tmp_path_factory.mktemp("limits") / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        yield server
-    finally:
-        server.stop()
+def server(tiny_server):
+    """The session's `omnistage serve tiny-llm tiny-image tiny-video tiny-diamond` (tests/conftest.py)."""
+    return tiny_server
 
 
 def _run(server, name: str, prompt: str, denoiser: dict | None = None) -> httpx.Response:

@@ -13,7 +13,6 @@ import torch
 from omnistage.errors import InvalidRequestError
 from omnistage.graph.loader import PipelineValidationError, load_pipeline
 from omnistage.runtime.pipeline import Pipeline
-from omnistage.tests.serving.conftest import start_server
 
 PIPELINE = """
 name: shaped
@@ -94,19 +93,14 @@ def test_wrong_input_is_refused_at_admission(diamond, value, problem):
     assert diamond.run({"x": x}, timeout=30)["h"].shape == (5, 8)  # the producer ran it
 
 
-def test_http_wrong_shape_is_a_400_naming_the_input(tmp_path):
-    server = start_server(["tiny-diamond"], tmp_path / "server.log")
-    try:
-        server.wait_ready(timeout=120)
-        url = f"{server.url}/v1/pipelines/tiny-diamond/run"
-        bad = httpx.post(url, json={"inputs": {"x": [1, 2, 3]}}, timeout=30)
-        assert bad.status_code == 400, bad.text
-        error = bad.json()["error"]
-        assert error["param"] == "inputs.x"
-        assert "shape [*, 8]" in error["message"]
-        good = httpx.post(url, json={"inputs": {"x": [[0.5] * 8] * 3}}, timeout=30)
-        assert good.status_code == 200, good.text
-        card = httpx.get(f"{server.url}/v1/pipelines/tiny-diamond", timeout=30).json()
-        assert card["inputs"]["x"] == {"type": "tensor", "shape": [None, 8], "dtype": "float32"}
-    finally:
-        server.stop()
+def test_http_wrong_shape_is_a_400_naming_the_input(tiny_server):
+    url = f"{tiny_server.url}/v1/pipelines/tiny-diamond/run"
+    bad = httpx.post(url, json={"inputs": {"x": [1, 2, 3]}}, timeout=30)
+    assert bad.status_code == 400, bad.text
+    error = bad.json()["error"]
+    assert error["param"] == "inputs.x"
+    assert "shape [*, 8]" in error["message"]
+    good = httpx.post(url, json={"inputs": {"x": [[0.5] * 8] * 3}}, timeout=30)
+    assert good.status_code == 200, good.text
+    card = httpx.get(f"{tiny_server.url}/v1/pipelines/tiny-diamond", timeout=30).json()
+    assert card["inputs"]["x"] == {"type": "tensor", "shape": [None, 8], "dtype": "float32"}

@@ -155,14 +155,4 @@ def slow_server(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def tiny_server(tmp_path_factory):
-    """`omnistage serve tiny-llm tiny-image tiny-video`: the shipped tiny pipelines, one
-    server for every test that needs real models behind HTTP."""
-    log_path = tmp_path_factory.mktemp("serve-tiny") / "server.log"
-    server = start_server(["tiny-llm", "tiny-image", "tiny-video"], log_path)
-    try:
-        server.wait_ready(timeout=300)
-        yield server
-    finally:
-        server.stop()
+# tiny_server (tiny-llm tiny-image tiny-video tiny-diamond) is tests/conftest.py's: other folders share it

@@ -102,18 +102,6 @@ SPEECH = {
 }
 
 
-@pytest.fixture(scope="module")
-def omni_server(tmp_path_factory):
-    from omnistage.tests.serving.conftest import start_server
-
-    server = start_server(["tiny-omni"], tmp_path_factory.mktemp("serve-omni") / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        yield server
-    finally:
-        server.stop()
-
-
 def test_audio_port_leaves_as_wav_and_flac(omni_server):
     import soundfile
 

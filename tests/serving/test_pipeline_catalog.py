@@ -14,7 +14,7 @@ def test_list_names_every_pipeline_with_its_ports(tiny_server):
     r = httpx.get(tiny_server.url + "/v1/pipelines", timeout=10)
     assert r.status_code == 200
     cards = {c["id"]: c for c in r.json()["data"]}
-    assert set(cards) == {"tiny-llm", "tiny-image", "tiny-video"}
+    assert set(cards) == {"tiny-llm", "tiny-image", "tiny-video", "tiny-diamond"}
     for name, card in cards.items():
         spec = load_pipeline(name)  # the judge: the YAML file itself
         assert {p: i["type"] for p, i in card["inputs"].items()} == spec.inputs
@@ -53,18 +53,11 @@ def test_unknown_pipeline_is_404(tiny_server):
     assert r.json()["error"]["code"] == "model_not_found"
 
 
-def test_tensor_input_example_follows_the_declared_shape(tmp_path):
-    from omnistage.tests.serving.conftest import start_server
-
-    server = start_server(["tiny-diamond"], tmp_path / "server.log")
-    try:
-        server.wait_ready(timeout=300)
-        card = httpx.get(server.url + "/v1/pipelines/tiny-diamond", timeout=10).json()
-        assert card["inputs"]["x"]["shape"] == [None, 8]
-        example = card["example_request"]
-        assert [len(row) for row in example["inputs"]["x"]] == [8, 8]
-        r = httpx.post(server.url + "/v1/pipelines/tiny-diamond/run", json=example, timeout=120)
-        assert r.status_code == 200, r.text
-        assert {len(row) for row in r.json()["outputs"]["y"]} == {8}
-    finally:
-        server.stop()
+def test_tensor_input_example_follows_the_declared_shape(tiny_server):
+    card = httpx.get(tiny_server.url + "/v1/pipelines/tiny-diamond", timeout=10).json()
+    assert card["inputs"]["x"]["shape"] == [None, 8]
+    example = card["example_request"]
+    assert [len(row) for row in example["inputs"]["x"]] == [8, 8]
+    r = httpx.post(tiny_server.url + "/v1/pipelines/tiny-diamond/run", json=example, timeout=120)
+    assert r.status_code == 200, r.text
+    assert {len(row) for row in r.json()["outputs"]["y"]} == {8}

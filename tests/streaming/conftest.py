@@ -1,17 +1,12 @@
-"""A real `omnistage serve tiny-llm` for the streaming tests over HTTP (one per session)."""
+"""The streaming tests' `omnistage serve` over HTTP: the session's shared tiny server."""
 
 from __future__ import annotations
 
 import pytest
 
-from ..serving.conftest import start_server
-
 
 @pytest.fixture(scope="session")
-def llm_server(tmp_path_factory):
-    server = start_server(["tiny-llm"], tmp_path_factory.mktemp("serve-llm") / "server.log")
-    try:
-        server.wait_ready(timeout=180)
-        yield server
-    finally:
-        server.stop()
+def llm_server(tiny_server):
+    """tiny-llm behind HTTP: tests/conftest.py's `omnistage serve tiny-llm tiny-image tiny-video`
+    (these tests filter what they read from /metrics by pipeline)."""
+    return tiny_server
