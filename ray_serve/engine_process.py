@@ -9,9 +9,8 @@ signal, thread and allocator settings) with a pipe, and only relays: messages to
 (Deliver, Abort, Shutdown, StatsQuery) down the pipe, its Ready/StartFailed/Emit/StatsReply
 back to callbacks.
 
-Emitted values travel in the pipe by value (the runtime's shared-memory segments are not
-used: the next hop is Ray's object store, which copies them anyway), device tensors copied
-to the host first.
+Emitted values travel in the pipe by value (ray_serve/portable_worker.py). The replica's own
+process never imports torch: the engine's modules are loaded in the child only.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ import asyncio
 import concurrent.futures
 import itertools
 import multiprocessing
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from omnistage.runtime.messages import (
     Emit,
@@ -37,45 +36,8 @@ from omnistage.runtime.messages import (
     recv_msg,
     send_msg,
 )
-from omnistage.runtime.replicas import without_main_reimport
-from omnistage.runtime.worker import Worker, WorkerConfig, worker_main
-from omnistage.stages.base import Emission
 
 STOP_JOIN_S = 10.0
-
-
-class PortableWorker(Worker):
-    """The embedded worker, its outputs sent by value instead of as shared-memory references.
-    Edge permits and streaming credit are the graph driver's business (ray_serve/driver.py)."""
-
-    def _send_emissions(self, emissions: list[Emission]) -> None:
-        emits = []
-        for em in emissions:
-            outputs = {}
-            if em.error is None:
-                outputs = {p: portable(v) for p, v in em.outputs.items() if self.port_edges.get(p)}
-            finished = em.finished or em.error is not None
-            absent = tuple(em.absent_ports) if em.finished else ()
-            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param, absent))
-        if not emits:
-            return
-        self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))
-        for emit in emits:
-            if emit.finished:
-                if emit.request_id in self.active or emit.error is not None:
-                    self.stats.outcomes["ok" if emit.error is None else "error"] += 1
-                self.active.discard(emit.request_id)
-
-
-def portable(value: Any) -> Any:
-    """A value another node can read: device tensors are copied to the host."""
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: portable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value):
-        return type(value)(portable(v) for v in value)
-    return value
 
 
 class EngineProcess:
@@ -84,7 +46,15 @@ class EngineProcess:
     `on_emits(list[Emit])` is called on the reader thread; `on_exit()` there too when the
     process goes away without having been asked to (it crashed or was killed)."""
 
-    def __init__(self, cfg: WorkerConfig, on_emits: Callable[[list[Emit]], None], on_exit: Callable[[], None]):
+    def __init__(
+        self,
+        source: dict,
+        pipeline: str,
+        stage: str,
+        replica: int,
+        on_emits: Callable[[list[Emit]], None],
+        on_exit: Callable[[], None],
+    ):
         self._on_emits = on_emits
         self._on_exit = on_exit
         self._started = threading.Event()
@@ -93,16 +63,15 @@ class EngineProcess:
         self._send_lock = threading.Lock()
         self._seq = itertools.count()
         self._stats: dict[int, concurrent.futures.Future] = {}
-        # spawn, not fork: a forked child gets gRPC's threads back (Ray's fork handlers start
-        # them again), and with them the slow steps this process exists to avoid
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        name = f"omnistage:{cfg.spec.name}:{cfg.stage}"
-        self.proc = ctx.Process(target=worker_main, args=(cfg, child_conn, PortableWorker), name=name, daemon=True)
-        with without_main_reimport():  # a Ray worker's __main__ is Ray's own script
-            self.proc.start()
+        # a new interpreter, not a fork: a forked child gets gRPC's threads back (Ray's fork
+        # handlers start them again), and with them the slow steps this process exists to avoid
+        self._conn, child_conn = multiprocessing.Pipe(duplex=True)
+        fd = child_conn.fileno()
+        cmd = [sys.executable, "-P", "-m", "omnistage.ray_serve.portable_worker", str(fd)]
+        self.proc = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL)
         child_conn.close()
-        self._reader = threading.Thread(target=self._read_loop, name=f"omnistage-relay-{cfg.stage}", daemon=True)
+        self.send((source, pipeline, stage, replica))
+        self._reader = threading.Thread(target=self._read_loop, name=f"omnistage-relay-{stage}", daemon=True)
         self._reader.start()
 
     def wait_started(self) -> None:
@@ -112,11 +81,14 @@ class EngineProcess:
             raise RuntimeError(self._start_error)
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         return self.proc.pid
 
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
     def alive(self) -> bool:
-        return self.proc.is_alive() and self._reader.is_alive()
+        return self.proc.poll() is None and self._reader.is_alive()
 
     def send(self, msg) -> None:
         with self._send_lock:
@@ -152,8 +124,11 @@ class EngineProcess:
         except (EOFError, OSError):
             pass
         if not self._started.is_set():
-            self.proc.join(1)
-            self._start_error = f"the engine process exited (code {self.proc.exitcode}) while starting"
+            try:
+                code = self.proc.wait(1)
+            except subprocess.TimeoutExpired:
+                code = None
+            self._start_error = f"the engine process exited (code {code}) while starting"
             self._started.set()
         elif self._start_error is None and not self._stopping:
             self._on_exit()
@@ -165,8 +140,9 @@ class EngineProcess:
             self.send(Shutdown())
         except OSError:
             pass
-        self.proc.join(STOP_JOIN_S)
-        if self.proc.is_alive():
+        try:
+            self.proc.wait(STOP_JOIN_S)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join(5)
+            self.proc.wait(5)
         self._conn.close()

@@ -27,10 +27,9 @@ import threading
 from typing import Any
 
 from omnistage.ray_serve.engine_process import EngineProcess
-from omnistage.ray_serve.options import BackendOptions, PipelineSource
+from omnistage.ray_serve.options import BackendOptions
 from omnistage.ray_serve.scaling import METRIC
 from omnistage.runtime.messages import Abort, Deliver, Emit
-from omnistage.runtime.worker import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +37,13 @@ ENDED_KEEP = 4096
 
 
 class _Channel:
-    """One driver's emits on this replica, handed from the engine thread to the event loop.
+    """One driver's emits on this replica, handed from the relay thread to the event loop.
 
-    Each item the stream yields costs this process (and so the engine thread beside it) a
-    fixed share of Serve's per-item work, whatever it carries. So under a steady flow items
-    leave at most every `interval` seconds, each with all the steps made meanwhile; the first
-    item after a quiet spell leaves at once (no latency added to a first chunk)."""
+    Each item the stream yields costs this process and the driver's a fixed share of Serve's
+    per-item work, whatever it carries (CPU the engines on the same cores lose). So under a
+    steady flow items leave at most every `interval` seconds, each with all the steps made
+    meanwhile; the first item after a quiet spell leaves at once (no latency added to a first
+    chunk)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float):
         self.loop = loop
@@ -69,13 +69,8 @@ class StageReplica:
     def __init__(self, source: dict, pipeline: str, stage: str, options: dict | None = None):
         from ray import serve
 
-        spec = PipelineSource.from_dict(source).load(pipeline)
-        pool = spec.stages[stage].pool
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
-        # Ray hands a GPU replica its device as the only visible one
-        device = "cuda:0" if any(d.startswith("cuda") for d in pool.devices) else "cpu"
-        cfg = WorkerConfig(spec, stage, _rank(context), device, f"omnistage-ray-{os.getpid()}")
         self._relay_interval = BackendOptions.from_dict(options).relay_interval_ms / 1000.0
         self._channels: dict[str, _Channel] = {}
         self._owner: dict[str, _Channel] = {}  # request id -> its driver's channel
@@ -85,7 +80,8 @@ class StageReplica:
         self._lock = threading.Lock()
         self._outbox: list[Emit] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.engine = EngineProcess(cfg, self._publish, self._engine_exited)
+        # the engine process loads the pipeline itself: this process never imports torch
+        self.engine = EngineProcess(source, pipeline, stage, _rank(context), self._publish, self._engine_exited)
         try:
             self.engine.wait_started()
         except RuntimeError as exc:
@@ -96,7 +92,7 @@ class StageReplica:
     def _engine_exited(self) -> None:
         """The engine process died (killed, out of memory): its requests are lost, so this
         replica ends too; the drivers fail those requests and Serve starts a new replica."""
-        log.error("the engine process of this replica exited (code %s)", self.engine.proc.exitcode)
+        log.error("the engine process of this replica exited (code %s)", self.engine.exit_code())
         os._exit(1)
 
     def _publish(self, emits: list[Emit]) -> None:
