@@ -62,11 +62,8 @@ def tiny_llm_dir():
     return build_recipe("tiny-llm")
 
 
-@pytest.fixture(scope="session")
-def omni_server(tmp_path_factory):
-    """`omnistage serve tiny-omni` (chat with audio, speech)."""
-    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
-        yield server
+# omni_server (`omnistage serve tiny-omni`: chat with audio, speech) is tests/conftest.py's,
+# shared with the jobs and serving tests
 
 
 @pytest.fixture(scope="session")
