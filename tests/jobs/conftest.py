@@ -38,13 +38,32 @@ def start_jobs_server(args: list[str], log_path: Path, env: dict[str, str], port
         return start_server(args, log_path, port=port)
 
 
-@pytest.fixture(scope="module")
-def jobs_server(tmp_path_factory):
-    """tiny-image with jobs; one job at a time per model, so later ones stay queued."""
+@pytest.fixture(scope="session")
+def dns_server():
+    """A DNS server on a localhost UDP port whose answers a test sets (tests/jobs/dns.py)."""
+    from omnistage.tests.jobs.dns import TestDNS
+
+    server = TestDNS()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def jobs_server(tmp_path_factory, dns_server):
+    """tiny-image with jobs; one job at a time per model, so later ones stay queued (one for
+    the folder: its tests look only at the jobs they create); webhook host names looked up at
+    `dns_server`; a job whose stage worker dies runs at most twice."""
     base = tmp_path_factory.mktemp("jobs")
-    server = start_jobs_server(
-        ["tiny-image"], base / "server.log", jobs_env(base / "jobs", OMNISTAGE_JOBS_MAX_RUNNING="1")
+    env = jobs_env(
+        base / "jobs",
+        OMNISTAGE_JOBS_MAX_RUNNING="1",
+        OMNISTAGE_WEBHOOK_RESOLVER=dns_server.address,
+        OMNISTAGE_JOBS_MAX_ATTEMPTS="2",
+        OMNISTAGE_JOBS_RETRY_BACKOFF_S="0.2",
     )
+    server = start_jobs_server(["tiny-image"], base / "server.log", env)
     try:
         server.wait_ready(timeout=300)
         yield server

@@ -1,7 +1,8 @@
 """Disk full under the jobs directory (the SQLite job store and the output files) of a real
 `omnistage serve tiny-image`: a small tmpfs mounted by the test (root only) is filled up.
-Submissions get a clear 507 `storage_full`, never a 500; the server keeps answering what
-needs no disk; the store passes SQLite's integrity check afterwards."""
+Submissions get a clear 507 `storage_full`, never a 500; a job running when the disk fills
+ends failed with `storage_full` (stored once there is room again); the server keeps answering
+what needs no disk; the store passes SQLite's integrity check afterwards."""
 
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_
             first = client.post("/v1/jobs", json=JOB)
             assert first.status_code == 202, first.text
             assert wait_job(client, first.json()["id"])["status"] == "completed"
+            long_run = {"width": 64, "height": 64, "num_inference_steps": 1000}  # the most a request may ask
+            running = client.post("/v1/jobs", json={**JOB, "params": {"denoiser": long_run}}).json()["id"]
+            deadline = time.monotonic() + 120
+            while (job := client.get(f"/v1/jobs/{running}").json())["progress"]["done"] < 1:
+                assert time.monotonic() < deadline and job["status"] in ("queued", "in_progress"), job
+                time.sleep(0.1)
             fill(small_fs / "filler")
             answers = []
             for i in range(20):  # SQLite may still fit a few rows in pages it already has
@@ -75,7 +82,13 @@ def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_
             assert client.get("/health").status_code == 200
             assert client.post("/v1/images/generations", json=IMAGE).status_code == 200
             assert client.get(f"/v1/jobs/{first.json()['id']}").json()["status"] == "completed"
+            ended = wait_job(client, running)
+            assert ended["status"] == "failed" and ended["error"]["code"] == "storage_full", ended
+            assert "storage is full" in ended["error"]["message"]
             (small_fs / "filler").unlink()
+            # with room again its failure is stored: the event log (read from the store) ends
+            events = client.get(f"/v1/jobs/{running}/events", timeout=30).text
+            assert "event: failed" in events
     store = sqlite3.connect(f"file:{jobs_dir / 'jobs.sqlite3'}?mode=ro", uri=True)
     try:
         assert store.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
@@ -83,3 +96,4 @@ def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_
     finally:
         store.close()
     assert statuses[first.json()["id"]] == "completed"
+    assert statuses[running] == "failed"
