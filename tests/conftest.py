@@ -37,11 +37,12 @@ def png_colors():
 
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory):
-    """`omnistage serve tiny-llm tiny-image tiny-video tiny-diamond`: the shipped tiny pipelines
-    behind HTTP, for every test that sends them requests and leaves the server as it found it."""
+    """`omnistage serve tiny-llm tiny-image tiny-image-previews tiny-video tiny-diamond`: the
+    shipped tiny pipelines behind HTTP, for every test that sends them requests and leaves the
+    server as it found it."""
     from omnistage.tests.serving.conftest import start_server
 
-    args = ["tiny-llm", "tiny-image", "tiny-video", "tiny-diamond"]
+    args = ["tiny-llm", "tiny-image", "tiny-image-previews", "tiny-video", "tiny-diamond"]
     server = start_server(args, tmp_path_factory.mktemp("serve-tiny") / "server.log")
     try:
         server.wait_ready(timeout=300)

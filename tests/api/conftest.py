@@ -34,9 +34,10 @@ def live_server(tmp_path_factory, args: list[str], env: dict[str, str] | None = 
 
 
 @pytest.fixture(scope="session")
-def api_server(tmp_path_factory):
-    with live_server(tmp_path_factory, ["tiny-llm", "tiny-image", "tiny-image-previews"]) as server:
-        yield server
+def api_server(tiny_server):
+    """tiny-llm, tiny-image and tiny-image-previews behind HTTP: tests/conftest.py's shared
+    server (it serves tiny-video and tiny-diamond too)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="session")

@@ -96,7 +96,7 @@ def test_wan_range_is_the_transformers_own():
 
 @pytest.fixture(scope="module")
 def server(tiny_server):
-    """The session's `omnistage serve tiny-llm tiny-image tiny-video tiny-diamond` (tests/conftest.py)."""
+    """The session's `omnistage serve` of the shipped tiny pipelines (tests/conftest.py)."""
     return tiny_server
 
 

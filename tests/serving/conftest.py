@@ -155,4 +155,4 @@ def slow_server(tmp_path_factory):
         server.stop()
 
 
-# tiny_server (tiny-llm tiny-image tiny-video tiny-diamond) is tests/conftest.py's: other folders share it
+# tiny_server (the shipped tiny pipelines) is tests/conftest.py's: other folders share it
