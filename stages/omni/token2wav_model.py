@@ -114,7 +114,7 @@ class Token2WavNet:
         self.samples_per_frame = math.prod(bigvgan.config.upsample_rates)
         self.voices = {name: self._voice(name, entry) for name, entry in voices.items()}
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _voice(self, name: str, entry: dict[str, torch.Tensor]) -> Voice:
         ref_mel = entry["ref_mel"].to(self.device, torch.float32).reshape(1, -1, self.mel_dim)
         encoder = self.dit.input_embed.spk_encoder
@@ -161,7 +161,7 @@ class Token2WavNet:
             h = _decoder_layer(layer, h, time_embedding, position_embeddings, mask)
         return dit.proj_out(dit.norm_out(h, time_embedding))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def sample_mels(self, windows: list[DitWindow], settings: OdeSettings) -> list[torch.Tensor]:
         """Solve the ODE for a batch of windows in shared forwards; each window's mel
         [frames, mel_dim] (on the device)."""
@@ -191,7 +191,7 @@ class Token2WavNet:
         return [mel[i, :n] for i, n in enumerate(lengths)]
 
     # -- BigVGAN --------------------------------------------------------------------------
-    @torch.no_grad()
+    @torch.inference_mode()
     def vocode(self, mels: list[torch.Tensor]) -> torch.Tensor:
         """Waveforms [b, frames * samples_per_frame] (CPU) of equally long mel windows."""
         batch = torch.stack(mels).transpose(1, 2)  # [b, mel_dim, frames]
