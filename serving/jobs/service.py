@@ -77,6 +77,7 @@ class JobService:
         self.sender = WebhookSender(self.store, config, self.resolver)
         self.admission = SubmitBatcher(self.store, config.max_queued_per_key)
         self.events = GroupCommitter(self._write_events, after=self._events_written)
+        self._new_messages = False  # the last written batch queued webhook messages
         self.changed = asyncio.Condition()
         self._tasks: list[asyncio.Task] = []
         self.runner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this server, in leases
@@ -231,10 +232,13 @@ class JobService:
                 record.webhook = {"url": hook["url"], "secret": hook.get("secret"), "payload": json.dumps(payload)}
             records.append(record)
         written = iter(self.store.record_events([r for r in records if r is not None]))
+        self._new_messages = self._new_messages or any(r is not None and r.webhook for r in records)
         return [None if r is None else next(written) for r in records]
 
     def _events_written(self, results: list) -> None:
-        self.sender.wake.set()  # a cheap wake; the sender finds what is due
+        if self._new_messages:  # read after the writer's thread has returned
+            self._new_messages = False
+            self.sender.wake.set()
         self.notify()
 
     async def progress(self, job_id: str, done: int, total: int, stage: str | None) -> None:
