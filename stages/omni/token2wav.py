@@ -50,7 +50,13 @@ _WINDOW_AND_ODE = (
     Param("past_blocks", "integer", _WINDOW.past_blocks, "Blocks of left context a window attends to.", minimum=0),
     Param("future_blocks", "integer", _WINDOW.future_blocks, "Blocks of look-ahead a window waits for.", minimum=0),
     Param("vocoder_overlap", "integer", _WINDOW.vocoder_overlap, "Mel frames re-vocoded at a window seam.", minimum=0),
-    Param("num_steps", "integer", _ODE.num_steps, "ODE solver steps per window.", minimum=2),
+    Param(
+        "num_steps",
+        "integer",
+        _ODE.num_steps,
+        "ODE time points per window (4 DiT passes per interval): 10 is the model's; fewer are faster, approximate.",
+        minimum=2,
+    ),
     Param("guidance_scale", "number", _ODE.guidance_scale, "Classifier-free guidance scale.", minimum=0),
     Param("sway_coefficient", "number", _ODE.sway_coefficient, "Sway-sampling coefficient of the ODE time grid."),
 )
