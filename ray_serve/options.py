@@ -74,7 +74,7 @@ class BackendOptions:
     ingress_cpus: float = 0.0
     drain_timeout: float = 30.0
     # a stage replica's emits leave at most this often under a steady flow (replica.py)
-    relay_interval_ms: float = 5.0
+    relay_interval_ms: float = 20.0
     # environment of the ingress replicas (the jobs store settings the CLI was given)
     ingress_env: dict[str, str] = field(default_factory=dict)
     api_keys: list[str] = field(default_factory=list)

@@ -42,8 +42,8 @@ class _Channel:
     Each item the stream yields costs this process and the driver's a fixed share of Serve's
     per-item work, whatever it carries (CPU the engines on the same cores lose). So under a
     steady flow items leave at most every `interval` seconds, each with all the steps made
-    meanwhile; the first item after a quiet spell leaves at once (no latency added to a first
-    chunk)."""
+    meanwhile; the first item after a quiet spell, and one that ends a request, leave at once
+    (no latency added to a first chunk or to a request's end)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float):
         self.loop = loop
@@ -55,7 +55,7 @@ class _Channel:
     async def next_batch(self) -> list[Emit]:
         batch = await self.queue.get()
         wait = self.last + self.interval - self.loop.time()
-        if wait > 0:
+        if wait > 0 and not any(e.finished for e in batch):  # a request's end is not held back
             await asyncio.sleep(wait)
         while not self.queue.empty():  # everything produced meanwhile leaves in one item
             batch = batch + self.queue.get_nowait()
