@@ -53,7 +53,10 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
 def _stage_params(served: Served, body: ChatCompletionRequest, spoken: bool) -> dict[str, dict[str, Any]]:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = served.stage_params(body.sampling_fields(max_tokens, top))
+    fields = body.sampling_fields(max_tokens, top)
+    if body.mm_processor_kwargs is not None and body.mm_processor_kwargs.use_audio_in_video:
+        fields["use_audio_in_video"] = True  # refused, naming it, where no params stage takes it
+    params = served.stage_params(fields)
     for stage, values in audio_params(served, body, spoken).items():
         params.setdefault(stage, {}).update(values)
     return params
@@ -69,7 +72,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     _check_unsupported(body)
     spoken = wants_audio(served, body)
     if any(isinstance(m.content, list) for m in body.messages):  # media checks decode: off the loop
-        inputs = await run_in_threadpool(pipeline_inputs, served, body.messages)
+        in_video = body.mm_processor_kwargs is not None and body.mm_processor_kwargs.use_audio_in_video
+        inputs = await run_in_threadpool(pipeline_inputs, served, body.messages, in_video)
     else:  # plain text: no thread hop before the first token
         inputs = pipeline_inputs(served, body.messages)
     params = salt_by_key(request, served, _stage_params(served, body, spoken))

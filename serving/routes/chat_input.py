@@ -103,7 +103,9 @@ def _pyav_rate_and_seconds(data: bytes) -> tuple[int, float] | None:
         return None
 
 
-def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, Any]:
+def pipeline_inputs(served: Served, messages: list[ChatMessage], audio_in_video: bool = False) -> dict[str, Any]:
+    """The pipeline's inputs; with `audio_in_video` each video is also the next audio entry
+    (the encoder decodes its sound track), where the text stage expects it."""
     audio_port, images_port, videos_port = served.port("audio_in"), served.port("images_in"), served.port("videos_in")
     audio: list[bytes] = []
     images: list[bytes] = []
@@ -136,6 +138,7 @@ def pipeline_inputs(served: Served, messages: list[ChatMessage]) -> dict[str, An
                 if videos_port is None:
                     raise UnsupportedError(f"the model {served.name!r} takes no videos", param=param)
                 videos.append(video_bytes(part, f"{param}.video_url"))
+                audio += videos[-1:] if audio_in_video else []
                 parts.append({"type": "video"})
         if audio_port is None and images_port is None and videos_port is None:
             out.append({"role": role, "content": "".join(p["text"] for p in parts)})

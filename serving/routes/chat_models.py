@@ -56,6 +56,14 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
 
+class MMProcessorKwargs(BaseModel):
+    """vLLM's per-request multimodal processor options (the ones these pipelines honour)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    use_audio_in_video: bool = Field(default=False, description="each video's sound track is heard with it")
+
+
 class AudioOutput(BaseModel):
     voice: str
     format: Literal["wav", "pcm16", "flac", "mp3", "opus", "aac"] = "wav"
@@ -68,6 +76,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOutput | None = None
+    mm_processor_kwargs: MMProcessorKwargs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -83,6 +83,46 @@ def test_video_reply_equals_the_python_api(omni, python_replies):
     assert reply.usage.prompt_tokens >= text_only.usage.prompt_tokens + 12
 
 
+def encode_mp4_with_sound(frames, fps: int, rate: int = 16000) -> bytes:
+    """H.264 frames and an AAC tone as long as they last."""
+    seconds = len(frames) / fps
+    tone = (0.3 * np.sin(2 * np.pi * 330 * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=fps, options={"preset": "ultrafast"})
+        video.height, video.width, video.pix_fmt = frames[0].shape[0], frames[0].shape[1], "yuv420p"
+        sound = container.add_stream("aac", rate=rate, layout="mono")
+        for f in frames:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")))
+        container.mux(video.encode())
+        for i in range(0, tone.size, 1024):
+            chunk = av.AudioFrame.from_ndarray(tone[None, i : i + 1024].copy(), format="flt", layout="mono")
+            chunk.sample_rate = rate
+            container.mux(sound.encode(chunk))
+        container.mux(sound.encode())
+    return out.getvalue()
+
+
+def test_use_audio_in_video_hears_the_sound_track(omni, omni_pipeline):
+    """vLLM's mm_processor_kwargs.use_audio_in_video: the video's sound is the next audio entry,
+    interleaved with its frames, as the Python API's thinker param does it."""
+    raw = encode_mp4_with_sound(smooth_frames(8, 56, 88, 4), fps=4)
+    reply = omni.chat.completions.create(
+        model="tiny-omni",
+        messages=video_message(raw),
+        temperature=0,
+        max_tokens=8,
+        extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}},
+    )
+    params = {"thinker": {**GREEDY["thinker"], "use_audio_in_video": True}}
+    ref = omni_pipeline.run({"messages": PY_MESSAGES, "videos": [raw], "audio": [raw]}, params, timeout=300)
+    assert reply.choices[0].message.content == ref["text"]
+    assert reply.usage.prompt_tokens == ref["info"]["usage"]["prompt_tokens"]
+    silent = omni.chat.completions.create(model="tiny-omni", messages=video_message(raw), temperature=0, max_tokens=8)
+    assert reply.usage.prompt_tokens > silent.usage.prompt_tokens  # the sound's encoder rows are in the prompt
+    assert reply.usage.prompt_tokens_details.audio_tokens > 0
+
+
 def test_video_refusals_name_the_part(omni, client):
     bad = [
         ("data:video/mp4;base64,!!!", "invalid_base64"),
