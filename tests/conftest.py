@@ -37,25 +37,17 @@ def png_colors():
 
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory):
-    """`omnistage serve tiny-llm tiny-image tiny-image-previews tiny-video tiny-diamond`: the
-    shipped tiny pipelines behind HTTP, for every test that sends them requests and leaves the
+    """`omnistage serve` as `make run` starts it: every shipped configs/tiny-*.yaml (tiny-llm,
+    tiny-image, tiny-image-previews, tiny-video, tiny-diamond, tiny-omni) behind HTTP, no API
+    key, jobs in a temporary folder; for every test that sends it requests and leaves the
     server as it found it."""
-    from omnistage.tests.serving.conftest import start_server
+    from omnistage.tests.api.conftest import live_server
 
-    args = ["tiny-llm", "tiny-image", "tiny-image-previews", "tiny-video", "tiny-diamond"]
-    server = start_server(args, tmp_path_factory.mktemp("serve-tiny") / "server.log")
-    try:
-        server.wait_ready(timeout=300)
+    with live_server(tmp_path_factory, [], timeout=600) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")
-def omni_server(tmp_path_factory):
-    """`omnistage serve tiny-omni` (no API key, jobs in a temporary folder): chat with audio,
-    speech, audio outputs and jobs, for the tests that only send it requests."""
-    from omnistage.tests.api.conftest import live_server
-
-    with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
-        yield server
+def omni_server(tiny_server):
+    """tiny-omni behind HTTP (chat with audio, speech, audio outputs, jobs): the shared server."""
+    return tiny_server

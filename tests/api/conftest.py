@@ -1,5 +1,6 @@
-"""One live `omnistage serve tiny-llm tiny-image tiny-image-previews` for the OpenAI-route tests, the official
-`openai` client pointed at it, and the same pipelines through the Python API as the judge."""
+"""The OpenAI-route tests' server (the session's shared `omnistage serve` of the shipped tiny
+pipelines, tests/conftest.py), the official `openai` client pointed at it, and the same
+pipelines through the Python API as the judge."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def tiny_llm_dir():
     return build_recipe("tiny-llm")
 
 
-# omni_server (`omnistage serve tiny-omni`: chat with audio, speech) is tests/conftest.py's,
-# shared with the jobs and serving tests
+# omni_server (tiny-omni behind HTTP: chat with audio, speech) is tests/conftest.py's shared
+# server too
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ How examples run: in a fresh temporary directory holding a `configs` link to the
 configs (so `configs/tiny-llm.yaml` resolves and nothing is written into the checkout), with
 the venv's bin first on PATH and PYTHONSAFEPATH=1. Examples that talk to a server
 (`localhost:8000` or `127.0.0.1:8000` in their text) are pointed at one live
-`omnistage serve` of the tiny pipelines started by this test on a free port.
+`omnistage serve` of the tiny pipelines on a free port (the session's, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from omnistage.tests.serving.conftest import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -114,22 +112,12 @@ def test_no_unfenced_examples():
     )
 
 
-@pytest.fixture(scope="module")
-def doc_server(tmp_path_factory):
-    """The tiny pipelines behind a live server, for examples that call localhost:8000."""
-    holder: dict = {}
-
-    def get():
-        if "server" not in holder:
-            log_path = tmp_path_factory.mktemp("doc-server") / "server.log"
-            server = start_server([], log_path)
-            holder["server"] = server
-            server.wait_ready(timeout=300)
-        return holder["server"]
-
-    yield get
-    if "server" in holder:
-        holder["server"].stop()
+@pytest.fixture
+def doc_server(request):
+    """The tiny pipelines behind a live server, for examples that call localhost:8000: the
+    session's `omnistage serve` of every configs/tiny-*.yaml (tests/conftest.py's tiny_server,
+    what `make run` serves), started when the first such example needs it."""
+    return lambda: request.getfixturevalue("tiny_server")
 
 
 def _workdir(tmp_path: Path) -> Path:
