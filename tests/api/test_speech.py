@@ -163,7 +163,8 @@ def test_speed_changes_duration_not_pitch(omni, python_speech, speed):
     [
         ({"stream_format": "sse", "response_format": "mp3"}, 400, "response_format"),
         ({"voice": "alloy"}, 400, "voice"),
-        ({"model": "tiny-llm"}, 404, "model"),  # not on this server
+        ({"model": "tiny-nope"}, 404, "model"),  # not on this server
+        ({"model": "tiny-llm"}, 400, "model"),  # served, but not a speech model
         ({"speed": 5}, 400, "speed"),
         ({"input": "x" * 4097}, 400, "input"),
     ],
