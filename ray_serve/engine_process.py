@@ -25,17 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from omnistage.runtime.messages import (
-    Emit,
-    EmitBatch,
-    Ready,
-    Shutdown,
-    StartFailed,
-    StatsQuery,
-    StatsReply,
-    recv_msg,
-    send_msg,
-)
+from omnistage.runtime import messages as msgs
 
 STOP_JOIN_S = 10.0
 
@@ -52,7 +42,7 @@ class EngineProcess:
         pipeline: str,
         stage: str,
         replica: int,
-        on_emits: Callable[[list[Emit]], None],
+        on_emits: Callable[[list[msgs.Emit]], None],
         on_exit: Callable[[], None],
     ):
         self._on_emits = on_emits
@@ -92,13 +82,13 @@ class EngineProcess:
 
     def send(self, msg) -> None:
         with self._send_lock:
-            send_msg(self._conn, msg)
+            msgs.send_msg(self._conn, msg)
 
     async def stats(self, timeout: float = 5.0) -> dict[str, Any]:
         seq = next(self._seq)
         future = self._stats[seq] = concurrent.futures.Future()
         try:
-            self.send(StatsQuery(seq))
+            self.send(msgs.StatsQuery(seq))
             return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
         finally:
             self._stats.pop(seq, None)
@@ -106,18 +96,18 @@ class EngineProcess:
     def _read_loop(self) -> None:
         try:
             while True:
-                msg = recv_msg(self._conn)
-                if isinstance(msg, Emit):
+                msg = msgs.recv_msg(self._conn)
+                if isinstance(msg, msgs.Emit):
                     self._on_emits([msg])
-                elif isinstance(msg, EmitBatch):
+                elif isinstance(msg, msgs.EmitBatch):
                     self._on_emits(msg.emits)
-                elif isinstance(msg, StatsReply):
+                elif isinstance(msg, msgs.StatsReply):
                     future = self._stats.get(msg.seq)
                     if future is not None and not future.done():
                         future.set_result(msg.stats)
-                elif isinstance(msg, Ready):
+                elif isinstance(msg, msgs.Ready):
                     self._started.set()
-                elif isinstance(msg, StartFailed):
+                elif isinstance(msg, msgs.StartFailed):
                     self._start_error = msg.error
                     self._started.set()
                 # the rest (memory reports, consumed-chunk counts) is the embedded hub's upkeep
@@ -137,7 +127,7 @@ class EngineProcess:
         """Ask the worker to finish (it drains its inbox and closes the engine), then reap it."""
         self._stopping = True
         try:
-            self.send(Shutdown())
+            self.send(msgs.Shutdown())
         except OSError:
             pass
         try:

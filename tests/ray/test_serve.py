@@ -81,7 +81,9 @@ def test_streaming_arrives_in_chunks_while_generating(ray_app):
             if line.startswith("data: ") and line != "data: [DONE]":
                 if json.loads(line[6:])["choices"][0]["text"]:
                     arrivals.append(time.monotonic() - start)
-    assert len(arrivals) >= 50, arrivals
+    # a steady flow leaves the replica at most every relay interval (20 ms), so several
+    # tokens may share an event: the count is not the token count
+    assert len(arrivals) >= 10, arrivals
     # the first text leaves long before the last, and the rest arrive spread over the
     # generation: chunks are relayed as they are made, not held until the end
     assert arrivals[0] < 0.5 * arrivals[-1], arrivals
