@@ -34,12 +34,13 @@ class LiveVideo:
         return bool(data)
 
     def finish(self) -> bytes:
-        """Close the muxer; returns the whole file (every segment, in order)."""
-        if self._muxer is not None and not self.done:
-            tail = self._muxer.close()
+        """Close the muxer; returns the whole file (every segment, in order). `done` is set by
+        the scheduler once the job's end is stored, so a client never sees the stream end first."""
+        if self._muxer is not None:
+            muxer, self._muxer = self._muxer, None
+            tail = muxer.close()
             if tail:
                 self.segments.append(tail)
-        self.done = True
         return b"".join(self.segments)
 
 
@@ -67,5 +68,5 @@ class LiveAudio:
         return True
 
     def finish(self) -> None:
-        """Nothing to add: the finished file is written from the whole clip (with its real length)."""
-        self.done = True
+        """Nothing to add: the finished file is written from the whole clip (with its real length);
+        `done` is set by the scheduler once the job's end is stored."""

@@ -147,6 +147,16 @@ class Scheduler:
         await service.emit(job.id, "started", {"attempt": job.attempts}, job_update={"attempts": job.attempts})
         live = self._live_video(job, pipeline)
         try:
+            return await self._run_attempt(job, pipeline, live)
+        finally:  # only now: a stream client that sees the end then finds the job ended too
+            if live is not None:
+                live.done = True
+                self.live.pop(job.id, None)
+                service.notify()
+
+    async def _run_attempt(self, job: Job, pipeline: Any, live: LiveVideo | LiveAudio | None) -> dict | None:
+        service = self.service
+        try:
             outputs = await self._stream(job, pipeline, live)
             whole = await asyncio.to_thread(live.finish) if live is not None else None
             prebuilt = {live.port: whole} if whole else {}  # a muxed video is the file; audio is written whole
@@ -163,11 +173,6 @@ class Scheduler:
         except Exception as err:  # noqa: BLE001 - a job's failure must not stop the scheduler
             await service.finish(job.id, JobStatus.FAILED, error=_failure(job, err))
             return None
-        finally:
-            if live is not None:
-                live.done = True
-                self.live.pop(job.id, None)
-                service.notify()
         for port, value in record.items():
             if isinstance(value, dict) and "files" in value:
                 await service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
