@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -96,6 +97,7 @@ class Orchestrator:
         self.counts = self._router.counts  # requests by outcome
         self._hub: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
+        self._credit_returns: deque[list[tuple[str, str, int]]] = deque()
         self._stopping = False
         self.closing = False
         self.closed = False
@@ -256,9 +258,15 @@ class Orchestrator:
         return len(self._requests)
 
     def return_output_credit(self, acks: list[tuple[str, str, int]]) -> None:
-        """The caller consumed chunks of streaming outputs: (request id, port, chunks) each."""
-        with self._lock:
-            self._router.return_output_credit(acks)
+        """The caller consumed chunks of streaming outputs: (request id, port, chunks) each.
+        Handed to the hub thread: the caller's event loop neither waits for the hub's lock nor
+        writes to the workers' pipes once per turn."""
+        self._credit_returns.append(acks)
+        self._wake()
+
+    def _route_credit_returns(self) -> None:
+        while self._credit_returns:
+            self._router.return_output_credit(self._credit_returns.popleft())
 
     # -- hub thread -----------------------------------------------------------------------------
     def _hub_loop(self) -> None:
@@ -290,6 +298,7 @@ class Orchestrator:
                 else:
                     dead.append(by_sentinel[obj])
             with self._lock:
+                self._route_credit_returns()
                 for r in dict.fromkeys(dead):
                     self._handle_exit(r)
                 self._expire_deadlines()
