@@ -195,6 +195,7 @@ async def job_events(
     async def events():
         nonlocal after
         idle = 0
+        last_read = False
         while True:
             finished = False
             for event in service.store.events_after(job_id, after):
@@ -202,8 +203,12 @@ async def job_events(
                 yield sse_event({"type": event.type, "job_id": job_id, "created_at": event.created_at,
                                  **event.data}, event=event.type, id=str(event.seq))  # fmt: skip
                 finished = event.type in ("completed", "failed", "canceled")
-            if finished or (idle == 0 and _finished(service, job_id)):
+            if finished or last_read:
                 return
+            if idle == 0 and _finished(service, job_id):
+                # the end event commits with the status, maybe after the read above: read once more
+                last_read = True
+                continue
             async with service.changed:
                 try:
                     await asyncio.wait_for(service.changed.wait(), POLL_S)
