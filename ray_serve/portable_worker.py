@@ -18,9 +18,8 @@ import torch
 
 from omnistage.errors import one_line_error
 from omnistage.ray_serve.options import PipelineSource
-from omnistage.runtime.messages import Emit, EmitBatch, StartFailed, recv_msg, send_msg
+from omnistage.runtime.messages import StartFailed, recv_msg, send_msg
 from omnistage.runtime.worker import Worker, WorkerConfig, worker_main
-from omnistage.stages.base import Emission
 
 
 def run_worker(conn: Connection) -> None:
@@ -43,23 +42,8 @@ class PortableWorker(Worker):
     """The embedded worker, its outputs sent by value instead of as shared-memory references.
     Edge permits and streaming credit are the graph driver's business (ray_serve/driver.py)."""
 
-    def _send_emissions(self, emissions: list[Emission]) -> None:
-        emits = []
-        for em in emissions:
-            outputs = {}
-            if em.error is None:
-                outputs = {p: portable(v) for p, v in em.outputs.items() if self.port_edges.get(p)}
-            finished = em.finished or em.error is not None
-            absent = tuple(em.absent_ports) if em.finished else ()
-            emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param, absent))
-        if not emits:
-            return
-        self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))
-        for emit in emits:
-            if emit.finished:
-                if emit.request_id in self.active or emit.error is not None:
-                    self.stats.outcomes["ok" if emit.error is None else "error"] += 1
-                self.active.discard(emit.request_id)
+    def _encode_output(self, value: Any, readers: int) -> Any:
+        return portable(value)
 
 
 def portable(value: Any) -> Any:

@@ -379,6 +379,10 @@ class Worker:
         if emissions:
             self._send_emissions(emissions)
 
+    def _encode_output(self, value: Any, readers: int) -> Any:
+        """An output as it travels to the hub: shared-memory references for `readers` consumers."""
+        return encode(value, self.pool, readers)
+
     def _send_emissions(self, emissions: list[Emission]) -> None:
         emits = []
         for em in emissions:
@@ -387,7 +391,7 @@ class Worker:
                 for port, value in em.outputs.items():
                     edges = self.port_edges.get(port)
                     if edges:
-                        outputs[port] = encode(value, self.pool, len(edges))
+                        outputs[port] = self._encode_output(value, len(edges))
             finished = em.finished or em.error is not None
             absent = tuple(em.absent_ports) if em.finished else ()
             emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param, absent))
