@@ -18,6 +18,7 @@ import torch
 
 from omnistage.graph.loader import load_pipeline_text
 from omnistage.runtime.pipeline import Pipeline
+from omnistage.runtime.replicas import STREAM_CREDIT_ENV
 
 ROWS = 256  # one chunk: 256 x 1024 float32 = 1 MiB (a 2 MiB size class with its header)
 CHUNKS = 60
@@ -58,6 +59,14 @@ edges:
   - {from: slow.y, to: outputs.y, stream: true}
 """
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stream_credit_on():
+    """Credit is opt-in (OMNISTAGE_STREAM_CREDIT=1); every pipeline of this module has it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(STREAM_CREDIT_ENV, "1")
+        yield
 
 
 def _producer_segments(p: Pipeline) -> list[str]:
