@@ -9,7 +9,6 @@ it is made and the others arrive whole at the end (the AR stage streams sequence
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -22,7 +21,7 @@ from omnistage.serving.routes.chat_audio import audio_params, message_audio, pcm
 from omnistage.serving.routes.chat_input import pipeline_inputs
 from omnistage.serving.routes.chat_models import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
-from omnistage.serving.routes.streams import TextDelta, first_then_rest, sse_stream
+from omnistage.serving.routes.streams import TEXT_SLOT, TextDelta, first_then_rest, spliced_encoder, sse_stream
 from omnistage.serving.routes.textgen import (
     chat_logprobs,
     check_stream_options,
@@ -111,17 +110,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     )
 
 
-_SLOT = "\x00"
-
-
-def _content_template(event: dict[str, Any]):
-    """A content delta as its compact JSON text, built by splicing the text into the event
-    encoded once per response (the bytes json.dumps would give, without encoding the rest
-    of the event per token)."""
-    head, tail = json.dumps(event, separators=(",", ":"), ensure_ascii=False).split('"\\u0000"')
-    return lambda text: head + json.dumps(text, ensure_ascii=False) + tail
-
-
 def _speech_info(served: Served, outputs: dict[str, Any]) -> dict[str, Any] | None:
     port = served.port("speech_info")
     return (outputs.get(port) or {}) if port is not None else None
@@ -144,8 +132,8 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
             **extra,
         }
 
-    content_event = _content_template(
-        chunk([{"index": 0, "delta": {"content": _SLOT}, "logprobs": None, "finish_reason": None}])
+    content_event = spliced_encoder(
+        chunk([{"index": 0, "delta": {"content": TEXT_SLOT}, "logprobs": None, "finish_reason": None}])
     )
 
     async def events():
