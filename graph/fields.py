@@ -60,6 +60,11 @@ STAGE = {
     "pool": Field("mapping", "Where and how many: {devices, replicas, dtype, threads, memory}."),
     "batching": Field("special", "Batching policy and knobs, or just the policy name."),
     "params": Field("mapping", "Kind-specific settings, checked by the kind's validate_params()."),
+    "request_defaults": Field(
+        "mapping",
+        "Per-request parameters a request gets when it does not send them (its own values win); "
+        "checked against the kind's request parameters.",
+    ),
 }
 
 MODEL = {

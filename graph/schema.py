@@ -134,6 +134,7 @@ def _stage() -> dict[str, Any]:
             "pool": _pool(),
             "batching": _batching(),
             "params": {"type": ["object", "null"], "description": F.STAGE["params"].doc},
+            "request_defaults": {"type": ["object", "null"], "description": F.STAGE["request_defaults"].doc},
         },
     )
 

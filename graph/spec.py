@@ -104,6 +104,8 @@ class StageSpec:
     pool: PoolSpec = field(default_factory=PoolSpec)
     batching: BatchingSpec = field(default_factory=BatchingSpec)
     params: dict[str, Any] = field(default_factory=dict)
+    # per-request parameter values a request gets when it sends none of its own
+    request_defaults: dict[str, Any] = field(default_factory=dict)
     pos: SourcePos | None = None
 
 

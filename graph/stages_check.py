@@ -95,7 +95,31 @@ def check_stage(name: str, key_pos: SourcePos, node: Node, report: Report, base_
         _kind_params_and_ports(cls, spec, info, params_at, where, report)
     else:
         info.ok = False
+
+    defaults_node = m.get("request_defaults")
+    if defaults_node is not None:
+        defaults_at = m.key_pos.get("request_defaults", key_pos)
+        dm = report.mapping(defaults_node, f"{where}.request_defaults", defaults_at)
+        if dm is None:
+            info.ok = False
+        else:
+            spec.request_defaults = plain(dm)
+            if cls is not None and not _request_defaults_ok(cls, spec.request_defaults, dm, where, report):
+                info.ok = False
     return info
+
+
+def _request_defaults_ok(cls, defaults: dict, node, where: str, report: Report) -> bool:
+    """Each default is a request parameter of the kind with a value it accepts; the rules
+    across values (min <= max) are left to each request, which may override either side."""
+    ok = True
+    for key, value in defaults.items():
+        why = cls.request_params.key_problem(key, value)
+        if why:
+            pos = node.entries[key].pos if key in cls.request_params else node.key_pos[key]
+            report.add(pos, f"{where}.request_defaults: {why}")
+            ok = False
+    return ok
 
 
 def _stage_class(kind: str, pos: SourcePos, report: Report):

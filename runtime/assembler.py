@@ -85,10 +85,12 @@ class _Assembly:
 
 class InputAssembler:
     """in_ports: every connected input port of the stage -> its edge's StreamSpec (None for a
-    non-streaming edge). Actions returned: ("add", StageRequest) and ("feed", rid, port, chunk, last)."""
+    non-streaming edge). Actions returned: ("add", StageRequest) and ("feed", rid, port, chunk, last).
+    request_defaults: the stage's YAML `request_defaults`, under each request's own params."""
 
-    def __init__(self, in_ports: dict[str, StreamSpec | None]):
+    def __init__(self, in_ports: dict[str, StreamSpec | None], request_defaults: dict[str, Any] | None = None):
         self.in_ports = in_ports
+        self.request_defaults = dict(request_defaults or {})
         self.plain_ports = {p for p, s in in_ports.items() if s is None}
         self.stream_ports = {p for p, s in in_ports.items() if s is not None}
         self._requests: dict[str, _Assembly] = {}
@@ -136,7 +138,9 @@ class InputAssembler:
             a.chunks.clear()
             a.added = True
             meta = a.meta
-            actions.append(("add", StageRequest(rid, inputs, dict(meta.params or {}), meta.deadline)))
+            actions.append(
+                ("add", StageRequest(rid, inputs, {**self.request_defaults, **(meta.params or {})}, meta.deadline))
+            )
             for p, chunk, is_last in a.early_feeds:
                 actions.append(("feed", rid, p, chunk, is_last))
             a.early_feeds.clear()

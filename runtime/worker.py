@@ -137,7 +137,9 @@ class Worker:
         self.pool = SegmentPool(worker_pool_prefix(cfg.shm_prefix, cfg.stage, cfg.replica, cfg.generation))
         self.reader = SegmentReader()
         self.port_edges = self.spec.out_edge_ids_by_port(cfg.stage)
-        self.assembler = InputAssembler({e.dst.port: e.stream for e in self.spec.in_edges(cfg.stage)})
+        self.assembler = InputAssembler(
+            {e.dst.port: e.stream for e in self.spec.in_edges(cfg.stage)}, self.spec.stages[cfg.stage].request_defaults
+        )
         self.permit_edges = sorted(cfg.permits)
         self.send_credit = SendCredit(self.spec, cfg.stage, cfg.stream_credit)  # runtime/credit.py
         self.return_credit = ReturnCredit(self.spec, cfg.stage, cfg.stream_credit)

@@ -292,17 +292,17 @@ class ParamSet:
         """Check already-complete values (e.g. a dataclass's fields); raise on the first problem."""
         self.validate(values, fill_defaults=False)
 
+    def key_problem(self, key: str, value: Any) -> str | None:
+        """What is wrong with one key and its value (unknown name, bad value), or None."""
+        p = self.by_name.get(key)
+        if p is None:
+            return None if self.open else self.unknown_message(key)
+        return p.problem(value)
+
     def problems(self, raw: Mapping[str, Any] | None) -> list[str]:
         """Every problem with `raw`, as messages (for YAML validation, which lists them all)."""
-        problems = []
         raw = raw or {}
-        for key, value in raw.items():
-            p = self.by_name.get(key)
-            if p is None and self.open:
-                continue
-            why = self.unknown_message(key) if p is None else p.problem(value)
-            if why:
-                problems.append(why)
+        problems = [why for why in (self.key_problem(k, v) for k, v in raw.items()) if why]
         problems += [f"{p.name} is required: {p.description}" for p in self.required if p.name not in raw]
         if not problems:
             values = {**self.defaults(), **raw}

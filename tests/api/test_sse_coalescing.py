@@ -79,12 +79,12 @@ def test_a_client_that_leaves_closes_the_stream():
 
 
 def test_spliced_content_events_are_the_encoded_events():
-    from omnistage.serving.routes.chat import _SLOT, _content_template
+    from omnistage.serving.routes.streams import TEXT_SLOT, spliced_encoder
 
     def event(text):
         choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
         return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
 
-    splice = _content_template(event(_SLOT))
+    splice = spliced_encoder(event(TEXT_SLOT))
     for text in ("hi", 'a"b\\c\nd\r', "é✓\u2028", "\x00x", ""):
         assert sse_event(splice(text)) == sse_event(event(text)), text

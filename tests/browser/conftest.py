@@ -127,7 +127,12 @@ def demo_server(tmp_path_factory) -> Iterator[ServerProcess]:
     _require_chromium()  # before minutes of loading pipelines the tests could not use
     log_path = tmp_path_factory.mktemp("serve-browser") / "server.log"
     # its jobs live in that temporary folder (the server's working directory)
-    server = start_server(["tiny-image", "tiny-video", "tiny-omni", "--api-key", API_KEY], log_path)
+    # The random talker ends wherever it samples a codec end (half its answers last under a
+    # second): at least 200 codes (4 s of speech) leave time to speak over an answer.
+    talker_speaks_on = "tiny-omni:stages.talker.request_defaults={min_tokens: 200}"
+    server = start_server(
+        ["tiny-image", "tiny-video", "tiny-omni", "--api-key", API_KEY, "--set", talker_speaks_on], log_path
+    )
     try:
         server.wait_ready(timeout=300)
         yield server

@@ -124,8 +124,8 @@ def test_speaking_over_the_answer_interrupts_it(demo_server, open_browser):
     clip = base64.b64encode(SPEECH.read_bytes()).decode()
     driver.execute_script(CONTROLLED_MICROPHONE, clip, LEADING_SILENCE_S, HEARD_MS / 1000)
     wait_for(driver, "window.testMic.clip", 10, "the clip decoded")
-    # a long answer (the tiny model's random text runs to the limit), so that the second
-    # sentence lands while it is still being generated, however slow the machine
+    # a long answer: the server's talker says at least 4 s of it (conftest's demo_server), so
+    # the second sentence lands while it is still being generated, however slow the machine
     start_talking(driver, max_tokens=LONG_ANSWER_TOKENS)
     wait_for(driver, "window.demo.talk.events['session.updated']", 60, "the session configured")
     assert page_state(driver, "window.demo.talk.session.max_output_tokens") == LONG_ANSWER_TOKENS

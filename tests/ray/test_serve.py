@@ -71,8 +71,9 @@ def test_http_routes_answer_through_the_ingress(embedded, ray_app):
 
 
 def test_streaming_arrives_in_chunks_while_generating(ray_app):
-    # long enough (a few hundred engine steps) that a relay holding chunks back would show
-    body = {"model": "tiny-llm", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "stream": True}
+    # long enough (a thousand engine steps, dozens of relay intervals even on a fast machine)
+    # that a relay holding chunks back would show
+    body = {"model": "tiny-llm", "prompt": PROMPTS[0], "max_tokens": 1000, "temperature": 0, "stream": True}
     arrivals = []
     start = time.monotonic()
     with httpx.stream("POST", ray_app.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=120) as r:
