@@ -35,17 +35,20 @@ from omnistage.stages.omni.token2wav import Token2WavStage
 MODEL = "tiny:qwen2_5_omni"
 
 
-def build_stage(model_dir, max_batch_size: int = 8) -> Token2WavStage:
+def build_stage(
+    model_dir, max_batch_size: int = 8, params: dict | None = None, prefix: str | None = None
+) -> Token2WavStage:
+    """A token2wav engine in this process (CPU, float32), as a worker would build it."""
     ctx = StageContext(
         stage_name="token2wav",
         kind="token2wav",
         model_path=str(model_dir),
         model_subfolder=None,
-        model_prefix=None,
+        model_prefix=prefix,
         device=torch.device("cpu"),
         dtype=torch.float32,
         batching=BatchingSpec(max_batch_size=max_batch_size, max_wait_ms=0.0),
-        params={},
+        params=dict(params or {}),
     )
     return Token2WavStage(ctx)
 

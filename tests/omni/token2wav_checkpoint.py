@@ -52,22 +52,9 @@ def build_token2wav_checkpoint(out_dir: Path, seed: int = 7) -> Path:
 
 
 def make_stage(model_path, params=None, max_batch_size: int = 8, prefix: str | None = None):
-    from omnistage.graph.spec import BatchingSpec
-    from omnistage.stages.base import StageContext
-    from omnistage.stages.omni.token2wav import Token2WavStage
+    from omnistage.bench.omni_token2wav import build_stage
 
-    ctx = StageContext(
-        stage_name="token2wav",
-        kind="token2wav",
-        model_path=str(model_path),
-        model_subfolder=None,
-        model_prefix=prefix,
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        batching=BatchingSpec(max_batch_size=max_batch_size, max_wait_ms=0.0),
-        params=dict(params or {}),
-    )
-    return Token2WavStage(ctx)
+    return build_stage(model_path, max_batch_size, params, prefix)
 
 
 def decode(stage, requests: dict[str, tuple[list[int], dict]], chunk: int | None = None, max_steps: int = 10_000):
