@@ -77,6 +77,7 @@ class Orchestrator:
         }
         self._all_replicas = [r for reps in self.replicas.values() for r in reps]
         self._workers = WorkerProcesses(spec, self.shm_prefix)
+        self.stream_credit = self._workers.stream_credit  # callers return streamed outputs' credit
         self._permits = EdgePermits(spec)
         slots = SlotBook()
         self._pool = SegmentPool(f"{self.shm_prefix}-parent")

@@ -198,8 +198,9 @@ class Pipeline:
 
     @property
     def _returns_credit(self) -> bool:
-        """The orchestrator takes streamed outputs' credit back (ray_serve's driver does not)."""
-        return hasattr(self._orch, "return_output_credit")
+        """The workers run with streaming credit and the orchestrator takes streamed outputs'
+        credit back (ray_serve's driver does not)."""
+        return getattr(self._orch, "stream_credit", False)
 
     def _credit_outbox(self, loop: asyncio.AbstractEventLoop) -> _CreditOutbox | None:
         if not self._returns_credit:

@@ -218,6 +218,8 @@ class WorkerProcesses:
         self.spec = spec
         self.shm_prefix = shm_prefix
         self.ctx = None
+        # per-request credit on streaming edges, for every worker of this pipeline (docs/runtime.md)
+        self.stream_credit = os.environ.get(STREAM_CREDIT_ENV) == "1"
 
     def open(self):
         self.ctx = mp_context()
@@ -229,7 +231,7 @@ class WorkerProcesses:
         r.step_clock = StepClock(self.ctx)
         cfg = WorkerConfig(self.spec, r.stage, r.index, r.device, self.shm_prefix, permits, r.generation)
         cfg.step_clock = r.step_clock
-        cfg.stream_credit = os.environ.get(STREAM_CREDIT_ENV) == "1"  # off by default: docs/runtime.md
+        cfg.stream_credit = self.stream_credit
         proc = self.ctx.Process(
             target=worker_main, args=(cfg, child_conn), name=f"omnistage:{self.spec.name}:{r.name}", daemon=True
         )
