@@ -18,7 +18,8 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from omnistage.errors import DeadlineExceededError
-from omnistage.graph.spec import PipelineSpec
+from omnistage.graph.spec import PIPELINE_OUTPUTS, PipelineSpec
+from omnistage.runtime.credit import CreditTally, data_nbytes, half_window
 from omnistage.runtime.orchestrator import Orchestrator
 from omnistage.runtime.routing import OutputChunk, RequestEnd
 from omnistage.stages.contracts import combine_chunks
@@ -62,23 +63,29 @@ class _LoopInbox:
 
 
 class _CreditOutbox:
-    """Returns the credit of the streamed output chunks a loop's readers took (runtime/credit.py),
-    once per turn of the loop for all its streams: one hub call, not one per token."""
+    """Returns the credit of the streamed output chunks a loop's readers took (runtime/credit.py):
+    in half-window batches, and once per turn of the loop for all its streams (one hub call)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, orch: Orchestrator):
+    def __init__(self, loop: asyncio.AbstractEventLoop, orch: Orchestrator, half: dict[str, tuple[int, int]]):
         self._loop = loop
         self._orch = orch
-        self._acks: dict[tuple[str, str], int] = {}
+        self._tally = CreditTally(half)
+        self._scheduled = False
 
-    def took(self, rid: str, port: str) -> None:
-        if not self._acks:
+    def took(self, rid: str, port: str, data: Any) -> None:
+        if self._tally.took(rid, port, data_nbytes(data)) and not self._scheduled:
+            self._scheduled = True
             self._loop.call_soon(self.flush)
-        self._acks[rid, port] = self._acks.get((rid, port), 0) + 1
 
     def flush(self) -> None:
-        acks, self._acks = self._acks, {}
-        if acks:
-            self._orch.return_output_credit([(rid, port, n) for (rid, port), n in acks.items()])
+        self._scheduled = False
+        due = self._tally.due()
+        if due:
+            self._orch.return_output_credit(due)
+
+    def forget(self, rid: str) -> None:
+        """The request ended: its producers keep no books for it any more."""
+        self._tally.release(rid)
 
 
 _inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox] = weakref.WeakKeyDictionary()
@@ -177,11 +184,10 @@ class Pipeline:
         deadline = time.time() + timeout if timeout is not None else None
         rid = self._orch.submit(inputs, params, sink.put, request_id, deadline)
         chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
-        acks: dict[str, int] = {}  # port -> chunks taken whose credit is not returned yet
+        taken = CreditTally(self._output_half_windows() if self._returns_credit else {})
         while True:
-            if acks and sink.empty() and self._returns_credit:  # before waiting: a producer may be
-                self._orch.return_output_credit([(rid, port, n) for port, n in acks.items()])
-                acks.clear()
+            if taken.has_due() and sink.empty():  # before waiting: a producer may be held back
+                self._orch.return_output_credit(taken.due())
             try:
                 # the hub enforces the deadline; the margin only guards against a stuck hub
                 item = sink.get(timeout=None if timeout is None else timeout + 10.0)
@@ -194,7 +200,7 @@ class Pipeline:
                 return {p: combine_chunks(c) for p, c in chunks.items()}
             if item.port is not None and item.data is not None:
                 chunks.setdefault(item.port, []).append(item.data)
-                acks[item.port] = acks.get(item.port, 0) + 1
+                taken.took(rid, item.port, data_nbytes(item.data))
 
     @property
     def _returns_credit(self) -> bool:
@@ -207,8 +213,14 @@ class Pipeline:
             return None
         outbox = self._outboxes.get(loop)
         if outbox is None:
-            outbox = self._outboxes[loop] = _CreditOutbox(loop, self._orch)
+            outbox = self._outboxes[loop] = _CreditOutbox(loop, self._orch, self._output_half_windows())
         return outbox
+
+    def _output_half_windows(self) -> dict[str, tuple[int, int]]:
+        """Each streamed output port's half credit window: what makes a return due."""
+        return {
+            e.dst.port: half_window(e.stream) for e in self.spec.edges if e.dst.stage == PIPELINE_OUTPUTS and e.stream
+        }
 
     async def stream(
         self,
@@ -239,8 +251,10 @@ class Pipeline:
                     return
                 yield item
                 if outbox is not None and item.port is not None and item.data is not None:
-                    outbox.took(rid, item.port)  # the reader is done with it: credit goes back
+                    outbox.took(rid, item.port, item.data)  # the reader is done with it
         finally:
+            if outbox is not None:
+                outbox.forget(rid)
             if not done:
                 self._orch.abort(rid)
 

@@ -33,8 +33,7 @@ from omnistage.runtime.openmp import apply_openmp_defaults
 from omnistage.runtime.watchdog import Health, StepClock
 from omnistage.runtime.worker import WorkerConfig, worker_main
 
-# per-request credit on streaming edges (runtime/credit.py), opt-in until a hang seen once in
-# the omni pipeline's long-answer test is understood
+# per-request credit on streaming edges (runtime/credit.py); "0" turns it off
 STREAM_CREDIT_ENV = "OMNISTAGE_STREAM_CREDIT"
 
 MAX_RESTART_FAILURES = 3
@@ -219,7 +218,7 @@ class WorkerProcesses:
         self.shm_prefix = shm_prefix
         self.ctx = None
         # per-request credit on streaming edges, for every worker of this pipeline (docs/runtime.md)
-        self.stream_credit = os.environ.get(STREAM_CREDIT_ENV) == "1"
+        self.stream_credit = os.environ.get(STREAM_CREDIT_ENV, "1") != "0"
 
     def open(self):
         self.ctx = mp_context()

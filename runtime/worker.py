@@ -273,7 +273,7 @@ class Worker:
             for action in actions:
                 self._apply(action)
             if msg.has_data:
-                self.return_credit.took(msg.request_id, msg.port)
+                self.return_credit.took(msg.request_id, msg.port, msg.payload)
         elif isinstance(msg, Credit):
             for rid, idx, n in msg.grants:
                 if self.send_credit.granted(rid, idx, n):
@@ -325,7 +325,9 @@ class Worker:
                 self._apply(action, permitted=True)
 
     def _drop_credit(self, rid: str) -> None:
-        self.return_credit.drop(rid)
+        grants = self.return_credit.release(rid)
+        if grants:
+            self.send(Consumed(grants))
         if self.send_credit.drop(rid):
             self.engine.resume(rid)
 

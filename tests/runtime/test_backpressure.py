@@ -63,7 +63,8 @@ edges:
 
 @pytest.fixture(scope="module", autouse=True)
 def stream_credit_on():
-    """Credit is opt-in (OMNISTAGE_STREAM_CREDIT=1); every pipeline of this module has it."""
+    """Credit is on by default; set here so that a run with OMNISTAGE_STREAM_CREDIT=0 in its
+    environment still tests it."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(STREAM_CREDIT_ENV, "1")
         yield
