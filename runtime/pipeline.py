@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import queue
 import threading
 import time
@@ -184,7 +185,7 @@ class Pipeline:
         deadline = time.time() + timeout if timeout is not None else None
         rid = self._orch.submit(inputs, params, sink.put, request_id, deadline)
         chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
-        taken = CreditTally(self._output_half_windows() if self._returns_credit else {})
+        taken = CreditTally(self._output_half_windows if self._returns_credit else {})
         while True:
             if taken.has_due() and sink.empty():  # before waiting: a producer may be held back
                 self._orch.return_output_credit(taken.due())
@@ -213,9 +214,10 @@ class Pipeline:
             return None
         outbox = self._outboxes.get(loop)
         if outbox is None:
-            outbox = self._outboxes[loop] = _CreditOutbox(loop, self._orch, self._output_half_windows())
+            outbox = self._outboxes[loop] = _CreditOutbox(loop, self._orch, self._output_half_windows)
         return outbox
 
+    @functools.cached_property
     def _output_half_windows(self) -> dict[str, tuple[int, int]]:
         """Each streamed output port's half credit window: what makes a return due."""
         return {

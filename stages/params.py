@@ -268,14 +268,8 @@ class ParamSet:
         """Checked values (declared defaults for the missing ones when fill_defaults).
         Raises InvalidRequestError naming the first unknown or bad parameter."""
         raw = raw or {}
-        by_name = self.by_name
         for key, value in raw.items():
-            p = by_name.get(key)
-            if p is None:
-                if self.open:
-                    continue
-                raise InvalidRequestError(self.unknown_message(key), param=key)
-            why = p.problem(value)
+            why = self.key_problem(key, value)
             if why:
                 raise InvalidRequestError(why, param=key)
         for p in self.required:
