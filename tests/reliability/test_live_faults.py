@@ -107,8 +107,9 @@ def test_leaving_a_chat_stream_early_aborts_it_and_frees_its_kv_blocks(server):
     total = metric(server, "omnistage_engine_kv_blocks_total", **labels)
     assert metric(server, "omnistage_engine_kv_blocks_free", **labels) == total
     aborted_before = metric(server, "omnistage_stage_requests_total", **aborted)
-    # 2000 tokens take seconds here: leaving after the first few can only end it by abort
-    body = {**CHAT, "max_tokens": 2000, "stream": True}
+    # 2000 tokens take seconds here and EOS is ignored (the random model samples it now and
+    # then): leaving after the first few can only end the request by abort
+    body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     freed_after = []
     with httpx.Client(base_url=server.url, timeout=60) as client:
         for _ in range(3):
@@ -122,6 +123,7 @@ def test_leaving_a_chat_stream_early_aborts_it_and_frees_its_kv_blocks(server):
                 assert time.monotonic() - left < 30, "KV blocks still held 30 s after the client left"
                 time.sleep(0.02)
             freed_after.append(time.monotonic() - left)
-    assert metric(server, "omnistage_stage_requests_total", **aborted) == aborted_before + 3
+    ended_ok = metric(server, "omnistage_stage_requests_total", **labels, outcome="ok")
+    assert metric(server, "omnistage_stage_requests_total", **aborted) == aborted_before + 3, ended_ok
     assert metric(server, "omnistage_stage_inflight_requests", **labels) == 0
     print(f"KV blocks free again {max(freed_after) * 1000:.0f} ms (worst of 3) after the client left")
