@@ -3,11 +3,11 @@
 Phases, one after the other, on tiny-image (64x64, 2 denoiser steps per job):
 - python: the same requests through `Pipeline.generate` in this process, at most
   OMNISTAGE_JOBS_MAX_RUNNING (8) at once, as the jobs scheduler admits them;
-- jobs: an `omnistage serve tiny-image` subprocess; all jobs POSTed at once from a thread pool
-  (submit latency per request), each with a webhook to a local receiver, which tells the client
-  when every job has ended (no polling); throughput from the first submission to the last
-  completion; webhook latency = arrival at the receiver minus the
-  job's finished_at (same machine clock);
+- jobs: an `omnistage serve tiny-image` subprocess; all jobs POSTed at once over 16 aiohttp
+  connections (submit latency per request), each with a webhook to a local aiohttp receiver,
+  which tells the client when every job has ended (no polling); throughput from the first
+  submission to the last completion; webhook latency = arrival at the receiver minus the job's
+  finished_at (same machine clock);
 - crash: a fresh server; jobs submitted with idempotency keys and webhooks, the server killed
   with SIGKILL (workers too) while they run, started again, every job resubmitted with its key.
 The python and jobs phases alternate `--runs` times (default 3); every figure is the median of
@@ -33,8 +33,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -52,30 +50,38 @@ def _free_port() -> int:
 
 class Receiver:
     """Local webhook receiver: job id -> arrival times of its job.completed messages (and of
-    any message that says the job ended, in `ended`)."""
+    any message that says the job ended, in `ended`). An aiohttp server on its own event loop
+    thread: keep-alive connections and no thread per delivery, so the harness takes little of
+    the CPU that the server under test shares with it."""
 
     def __init__(self):
+        from aiohttp import web
+
         self.completed: dict[str, list[float]] = {}
         self.ended: set[str] = set()
-        receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                if body["type"] == "job.completed":
-                    receiver.completed.setdefault(body["data"]["id"], []).append(time.time())
-                if body["type"] in ("job.completed", "job.failed", "job.canceled"):
-                    receiver.ended.add(body["data"]["id"])
-                self.send_response(200)
-                self.send_header("content-length", "0")
-                self.end_headers()
+        async def hook(request: web.Request) -> web.Response:
+            body = await request.json()
+            if body["type"] == "job.completed":
+                self.completed.setdefault(body["data"]["id"], []).append(time.time())
+            if body["type"] in ("job.completed", "job.failed", "job.canceled"):
+                self.ended.add(body["data"]["id"])
+            return web.Response(status=200)
 
-            def log_message(self, *args):
-                pass
+        app = web.Application()
+        app.router.add_post("/hook", hook)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app, access_log=None)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        port = site._server.sockets[0].getsockname()[1]
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{port}/hook"
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def _start_server(directory: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -157,19 +163,33 @@ def python_phase(n: int) -> float:
     return n / wall
 
 
+async def _submit_all(url: str, n: int, hook: str, concurrency: int = 16) -> list[tuple[str, float, float]]:
+    """POST the n jobs from `concurrency` client connections at once; per job: its id, the
+    round trip in ms, and the wall-clock time it was sent."""
+    import aiohttp
+
+    results: list[tuple[str, float, float] | None] = [None] * n
+    todo = iter(range(n))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector) as session:
+
+        async def client():
+            for i in todo:
+                sent, t0 = time.time(), time.perf_counter()
+                async with session.post("/v1/jobs", json=_job(i, hook)) as r:
+                    job = await r.json()
+                results[i] = (job["id"], (time.perf_counter() - t0) * 1000, sent)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results
+
+
 def jobs_phase(n: int, work: Path, receiver: Receiver) -> dict:
     proc, url = _start_server(work / "jobs-phase", work / "server.log")
     try:
-        with httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=32)) as client:
+        with httpx.Client(base_url=url, timeout=60) as client:
             client.post("/v1/pipelines/tiny-image/run", json={"inputs": {"prompt": "warm"}, "params": PARAMS})
-
-            def submit(i):
-                t0 = time.perf_counter()
-                job = client.post("/v1/jobs", json=_job(i, receiver.url)).json()
-                return job["id"], (time.perf_counter() - t0) * 1000, time.time()
-
-            with ThreadPoolExecutor(16) as pool:
-                results = list(pool.map(submit, range(n)))
+            results = asyncio.run(_submit_all(url, n, receiver.url))
             # told by the webhooks, as a client of the jobs API is, rather than polling every job
             # (which would spend server time the python phase does not); then each job read once
             ids = [r[0] for r in results]
@@ -228,6 +248,7 @@ def crash_phase(n: int, work: Path) -> dict:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
+        receiver.close()
     return {
         "lost_jobs": sum(j["status"] != "completed" for j in jobs),
         "duplicate_jobs": total - n,
@@ -255,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         for run in range(runs):
             (work / f"run{run}").mkdir()
             python_rate = python_phase(n)
-            jobs = jobs_phase(n, work / f"run{run}", Receiver())
+            receiver = Receiver()
+            try:
+                jobs = jobs_phase(n, work / f"run{run}", receiver)
+            finally:
+                receiver.close()
             per_run.append({**jobs, "python_jobs_per_s": python_rate, "ratio": jobs["jobs_per_s"] / python_rate})
             print(f"run {run + 1}/{runs}: {json.dumps(per_run[-1])}", file=sys.stderr)
         crash = crash_phase(max(8, n // 10), work)

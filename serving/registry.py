@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,7 @@ class PipelineRegistry:
         self.work_tasks: set[asyncio.Task] = set()  # their tasks (event loop only)
         self.cutting = False  # the drain timeout passed: in-flight requests are being cut
         self.started_at = time.time()
+        self.on_loaded: Callable[[], None] | None = None  # called once every pipeline has loaded or failed
 
     # -- building ----------------------------------------------------------------------------
     @classmethod
@@ -195,6 +196,8 @@ class PipelineRegistry:
             waiters.append(waiter)
         for waiter in waiters:
             waiter.join()
+        if self.on_loaded is not None and not self._closing.is_set():
+            self.on_loaded()
 
     def _wait_ready(self, entry: PipelineEntry, started: float) -> None:
         try:

@@ -12,6 +12,7 @@ Order of events:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -118,6 +119,7 @@ def serve(
         print(f"omnistage serve: {err}", file=sys.stderr)
         return 2
     log.info("serving %s on http://%s:%d", ", ".join(registry.names()), host, port)
+    registry.on_loaded = freeze_heap
 
     host_policy = HostPolicy.for_bind(host, allowed_hosts)
     auth = ApiKeyPolicy.from_sources(api_keys, max_concurrent_per_key)
@@ -153,6 +155,15 @@ def serve(
     finally:
         registry.close(0.0)  # no-op for pipelines the app's shutdown already closed
     return 0 if server.started else 1
+
+
+def freeze_heap() -> None:
+    """Move everything alive once the pipelines have loaded (torch, the app, the pipelines'
+    clients) out of the garbage collector's reach. Otherwise each full collection scans those
+    ~250k objects, a pause of ~150 ms on the event loop that lands on every request in flight
+    (the tail of a burst of job submissions, a stall in every token stream)."""
+    gc.collect()
+    gc.freeze()
 
 
 # Environment read by transformers, diffusers and huggingface_hub in every worker process

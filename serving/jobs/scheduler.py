@@ -62,6 +62,8 @@ class Scheduler:
     async def _start_what_fits(self) -> None:
         store, registry = self.service.store, self.service.registry
         limit = self.service.config.max_running_per_model
+        if registry.draining or all(self.running_for(m) >= limit for m in registry.names()):
+            return  # nothing could start: under a burst of submissions, no store query per wake-up
         for model in await asyncio.to_thread(store.queued_models):
             entry = registry.entry(model)
             if entry is None or not entry.is_ready() or registry.draining:
