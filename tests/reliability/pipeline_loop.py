@@ -1,6 +1,8 @@
 """A program that drives a pipeline until it is stopped: `python pipeline_loop.py NAME`.
 Prints READY once requests flow (the signal tests stop it with os.killpg)."""
 
+import faulthandler
+import signal
 import sys
 import threading
 
@@ -8,6 +10,7 @@ import torch
 
 from omnistage import Pipeline
 
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang at exit shows its stacks
 p = Pipeline.from_yaml(sys.argv[1])
 started = threading.Event()
 

@@ -26,18 +26,26 @@ def owned_segments(pid: int) -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith(f"omnistage-{pid}-")]
 
 
-def stop_group(proc: subprocess.Popen, sig: int) -> tuple[set[int], float]:
+def stop_group(proc: subprocess.Popen, sig: int, log: Path | None = None) -> tuple[set[int], float]:
     """Signal the whole process group at once; wait for the leader; return the group's other
-    processes as they were and how long the leader took to exit."""
+    processes as they were and how long the leader took to exit. A leader that hangs and
+    writes to `log` with faulthandler on SIGUSR1 has its threads' stacks in the failure."""
     group = descendants(proc.pid)
     t0 = time.monotonic()
     os.killpg(proc.pid, sig)
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
+        stacks = ""
+        if log is not None:
+            os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            stacks = "\n" + log.read_text(errors="replace")[-6000:]
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        raise AssertionError(f"{signal.Signals(sig).name} to the group: the leader did not exit within 60 s") from None
+        raise AssertionError(
+            f"{signal.Signals(sig).name} to the group: the leader did not exit within 60 s{stacks}"
+        ) from None
     return group, time.monotonic() - t0
 
 
@@ -85,7 +93,7 @@ def test_python_api_program_stopped_by_group_signal_leaves_nothing(tmp_path, sig
             assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.1)
         assert owned_segments(proc.pid), "the program made no shared-memory segment to leave behind"
-        group, _ = stop_group(proc, sig)
+        group, _ = stop_group(proc, sig, log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
