@@ -73,9 +73,8 @@ class Receiver:
         self.loop = asyncio.new_event_loop()
         self.runner = web.AppRunner(app, access_log=None)
         self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        port = site._server.sockets[0].getsockname()[1]
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", 0).start())
+        port = self.runner.addresses[0][1]
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{port}/hook"
 

@@ -159,9 +159,9 @@ def serve(
 
 def freeze_heap() -> None:
     """Move everything alive once the pipelines have loaded (torch, the app, the pipelines'
-    clients) out of the garbage collector's reach. Otherwise each full collection scans those
-    ~250k objects, a pause of ~150 ms on the event loop that lands on every request in flight
-    (the tail of a burst of job submissions, a stall in every token stream)."""
+    clients) out of the garbage collector's reach. Otherwise each full collection scans all of
+    it with the event loop stopped, a pause that lands on every request in flight (how long:
+    docs/serving.md, Lifecycle)."""
     gc.collect()
     gc.freeze()
 
