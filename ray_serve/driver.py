@@ -38,6 +38,7 @@ from omnistage.runtime.messages import Abort, Deliver, Emit, PermitsTaken
 from omnistage.runtime.replicas import Replica, ReplicaState
 from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
 from omnistage.runtime.shm import SegmentReader
+from omnistage.runtime.threads import start_without_stop_signals
 
 log = logging.getLogger("omnistage.ray_serve")
 
@@ -85,7 +86,7 @@ class RayDriver:
             if self.started:
                 return
             self.started = True
-        self._thread.start()
+        start_without_stop_signals(self._thread)
         self._health_task = asyncio.run_coroutine_threadsafe(self._watch_health(), self.loop)
 
     async def _watch_health(self) -> None:

@@ -59,6 +59,7 @@ from omnistage.runtime.shm import (
     reap_orphan_segments,
     release_all,
 )
+from omnistage.runtime.threads import start_background_thread
 from omnistage.runtime.watchdog import check_steps, finish_drains, start_drain
 
 log = logging.getLogger("omnistage.runtime")
@@ -117,8 +118,7 @@ class Orchestrator:
         self._permits.open(self._workers.open())
         for r in self._all_replicas:
             self._spawn(r)
-        self._hub = threading.Thread(target=self._hub_loop, name=f"omnistage-hub-{self.spec.name}", daemon=True)
-        self._hub.start()
+        self._hub = start_background_thread(self._hub_loop, f"omnistage-hub-{self.spec.name}")
 
     def _spawn(self, r: Replica) -> None:
         self._workers.spawn(r, self._permits.of_producer(r.stage))

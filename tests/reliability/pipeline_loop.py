@@ -24,9 +24,13 @@ def drive() -> None:
         started.set()
 
 
+# a careful program's own threads block the stop signals too: CPython acts on a signal only in
+# the main thread, and one taken by another thread never wakes the main thread's join() below
 threads = [threading.Thread(target=drive, daemon=True) for _ in range(3)]
+previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 for t in threads:
     t.start()
+signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 started.wait(120)
 print("READY", flush=True)
 for t in threads:
