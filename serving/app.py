@@ -18,6 +18,7 @@ from fastapi import APIRouter, FastAPI
 import omnistage
 from omnistage.serving.apidocs import install_api_docs
 from omnistage.serving.auth import ApiKeyGuard, ApiKeyPolicy
+from omnistage.serving.blocking_pool import install_blocking_pool
 from omnistage.serving.errors import install_error_handlers
 from omnistage.serving.guards import DEFAULT_MAX_BODY_BYTES, HostPolicy, RequestGuard
 from omnistage.serving.metrics import ServingMetrics
@@ -43,6 +44,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await install_blocking_pool()
         if load_on_startup:
             registry.start_loading()
         yield

@@ -24,7 +24,10 @@ def test_soak_smoke_serves_mixed_traffic_and_leaks_nothing(tmp_path):
     result = json.loads(out.read_text())
     assert all(result["requests"][k] >= 2 for k in ("chat", "image", "job")), result["requests"]
     assert result["errors_5xx"] == 0 and result["failed"] == 0, result
-    assert result["leaks"] == {"kv_blocks": 0, "shm_segments": 0, "fds": 0, "threads": 0, "processes": 0}, result
+    assert result["leaks"] == {"kv_blocks": 0, "shm_segments": 0, "fds": 0, "threads": 0, "processes": 0}, (
+        result["leaks"],
+        result["fds_opened"],
+    )
     assert result["after_stop"] == {"processes": 0, "shm_segments": 0}, result
     assert result["start"]["processes"] >= 5  # server, fork server, tracker, 4 workers (minus none)
     assert result["rss_growth_pct"] < 50, result["rss_growth_pct"]
