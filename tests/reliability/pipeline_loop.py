@@ -11,6 +11,9 @@ import torch
 from omnistage import Pipeline
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang at exit shows its stacks
+# Ctrl+C as in a terminal: a runner started in the background (`nohup ... &`, some CI launchers)
+# passes SIGINT down ignored, and a program that inherits that never stops on it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 p = Pipeline.from_yaml(sys.argv[1])
 started = threading.Event()
 
