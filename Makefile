@@ -5,6 +5,9 @@ STAMP  := $(VENV)/.omnistage-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+# the suite mostly waits on servers it starts (a third of two cores busy): two pytest-xdist
+# workers, each test file whole on one worker (its module-scoped server shared by its tests)
+TEST_WORKERS ?= 2
 
 # Never let the repository root onto sys.path: its folders are subpackages of `omnistage`,
 # and a top-level `kernels` package would break `import transformers`.
@@ -34,7 +37,7 @@ system-deps:
 	@./scripts/system-deps.sh
 
 test: $(STAMP) system-deps lint
-	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
