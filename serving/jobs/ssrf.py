@@ -123,13 +123,13 @@ def check_destination(
     return addresses
 
 
-def pinned(url: str, address: ipaddress._BaseAddress) -> tuple[str, dict[str, str], dict]:
-    """`url` with its host replaced by the checked `address`: (url, headers, httpx extensions)
+def pinned(url: str, address: ipaddress._BaseAddress) -> tuple[str, dict[str, str], str | None]:
+    """`url` with its host replaced by the checked `address`: (url, headers, TLS server name)
     that reach that address while the Host header and TLS (SNI, certificate) keep the name."""
     parts = urlsplit(url)
     if not needs_lookup(url):
-        return url, {}, {}
+        return url, {}, None
     host = f"[{address}]" if address.version == 6 else str(address)
     netloc = host if parts.port is None else f"{host}:{parts.port}"
-    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
-    return urlunsplit(parts._replace(netloc=netloc)), {"host": parts.netloc.rpartition("@")[2]}, extensions
+    server_name = parts.hostname if parts.scheme == "https" else None
+    return urlunsplit(parts._replace(netloc=netloc)), {"host": parts.netloc.rpartition("@")[2]}, server_name

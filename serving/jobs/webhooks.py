@@ -22,7 +22,7 @@ import random
 import time
 from email.utils import parsedate_to_datetime
 
-import httpx
+import aiohttp
 
 from omnistage.serving.jobs.model import Delivery, JobsConfig
 from omnistage.serving.jobs.ssrf import Resolver, UnsafeDestinationError, check_destination, parse_allow_list, pinned
@@ -33,6 +33,7 @@ log = logging.getLogger("omnistage.jobs")
 POLL_S = 0.5  # the loop's longest sleep when nothing is due (new messages wake it sooner)
 BATCH = 32
 CLAIM_MARGIN_S = 30.0  # a claimed message's lease: the request timeout plus this
+MAX_ANSWER_BYTES = 64 * 1024  # of a receiver's answer body, read so the connection can be reused
 
 
 def sign(secret: str, msg_id: str, timestamp: int, body: str) -> str:
@@ -65,6 +66,16 @@ def retry_after_seconds(value: str | None) -> float | None:
         return None
 
 
+async def _drain(response: aiohttp.ClientResponse) -> None:
+    """Read a receiver's answer body so its connection can serve the next message; one longer
+    than MAX_ANSWER_BYTES is left unread (its connection is closed instead of reused)."""
+    read = 0
+    async for chunk in response.content.iter_chunked(16 * 1024):
+        read += len(chunk)
+        if read > MAX_ANSWER_BYTES:
+            return
+
+
 class WebhookSender:
     """Delivers the outbox's due messages until stopped."""
 
@@ -74,10 +85,14 @@ class WebhookSender:
         self.allow = parse_allow_list(config.webhook_allow)
         self.resolver = resolver or Resolver(config.webhook_resolver)
         self.wake = asyncio.Event()
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     async def run(self) -> None:
-        self._client = httpx.AsyncClient(follow_redirects=False, timeout=self.config.webhook_timeout_s)
+        # no proxies from the environment (trust_env off): a proxy would reach the address the
+        # SSRF check pinned on the receiver's behalf, unchecked
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.config.webhook_timeout_s), trust_env=False
+        )
         try:
             while True:
                 lease = self.config.webhook_timeout_s + CLAIM_MARGIN_S
@@ -96,7 +111,7 @@ class WebhookSender:
                 except TimeoutError:
                     pass
         finally:
-            await self._client.aclose()
+            await self._session.close()
 
     def _secrets(self, delivery: Delivery) -> list[str]:
         return [delivery.secret] if delivery.secret else list(self.config.webhook_secrets)
@@ -117,18 +132,24 @@ class WebhookSender:
         try:
             # resolved again now, and the request goes to an address this check accepted
             addresses = await asyncio.to_thread(check_destination, delivery.url, self.allow, self.resolver)
-            url, host, extensions = pinned(delivery.url, addresses[0])
+            url, host, server_name = pinned(delivery.url, addresses[0])
             timestamp = int(time.time())
             headers = webhook_headers(self._secrets(delivery), delivery.id, timestamp, delivery.payload)
-            body = delivery.payload.encode()
-            response = await self._client.post(url, content=body, headers={**headers, **host}, extensions=extensions)
-            status = response.status_code
-            retry_after = retry_after_seconds(response.headers.get("retry-after"))
+            async with self._session.post(
+                url,
+                data=delivery.payload.encode(),
+                headers={**headers, **host},
+                allow_redirects=False,
+                server_hostname=server_name,
+            ) as response:
+                status = response.status
+                retry_after = retry_after_seconds(response.headers.get("retry-after"))
+                await _drain(response)
         except UnsafeDestinationError as exc:
             error, refused = str(exc), True
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:
             error = f"timeout: {exc.__class__.__name__}"
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             error = f"connection error: {exc.__class__.__name__}: {exc}"
         latency_ms = (time.monotonic() - started) * 1000
         outcome, next_at = self._outcome(delivery, status, refused, retry_after)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import base64
 import json
+import ssl
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,13 +53,27 @@ def dns_server():
 
 
 @pytest.fixture(scope="package")
-def jobs_server(tmp_path_factory, dns_server):
+def webhook_ca(tmp_path_factory):
+    """A certificate authority (trustme) the jobs server trusts for HTTPS webhooks."""
+    import trustme
+
+    ca = trustme.CA()
+    path = tmp_path_factory.mktemp("ca") / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return ca, path
+
+
+@pytest.fixture(scope="package")
+def jobs_server(tmp_path_factory, dns_server, webhook_ca):
     """tiny-image with jobs; one job at a time per model, so later ones stay queued (one for
     the folder: its tests look only at the jobs they create); webhook host names looked up at
-    `dns_server`; a job whose stage worker dies runs at most twice."""
+    `dns_server`; HTTPS receivers verified against `webhook_ca` only; a job whose stage worker
+    dies runs at most twice."""
     base = tmp_path_factory.mktemp("jobs")
     env = jobs_env(
         base / "jobs",
+        SSL_CERT_FILE=str(webhook_ca[1]),
+        SSL_CERT_DIR=str(webhook_ca[1].parent),
         OMNISTAGE_JOBS_MAX_RUNNING="1",
         OMNISTAGE_WEBHOOK_RESOLVER=dns_server.address,
         OMNISTAGE_JOBS_MAX_ATTEMPTS="2",
@@ -109,6 +125,8 @@ class WebhookReceiver:
     scripts: dict[str, list[tuple[int, dict[str, str]]]] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
+    tls: Any = None  # a trustme LeafCert: serve HTTPS with it, recording each handshake's SNI name
+    server_names: list[str | None] = field(default_factory=list)
 
     def __post_init__(self):
         from standardwebhooks.webhooks import Webhook
@@ -140,11 +158,17 @@ class WebhookReceiver:
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if self.tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.tls.configure_cert(context)
+            context.sni_callback = lambda sock, name, ctx: self.server_names.append(name)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://{host}:{self.server.server_address[1]}{path}"
 
     def at(self, path: str) -> list[Received]:
         return [r for r in self.received if r.path == path]
