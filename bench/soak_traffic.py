@@ -1,6 +1,7 @@
-"""Mixed client traffic against a live `omnistage serve tiny-llm tiny-image`: streamed chat,
-images and jobs from threads, every request's outcome recorded (what `omnistage bench soak`
-and tests/reliability judge). Real HTTP through httpx; SSE parsed line by line."""
+"""Mixed client traffic against a live `omnistage serve tiny-llm tiny-image` (and tiny-omni for
+realtime): streamed chat, images, jobs and spoken realtime answers from threads, every request's
+outcome recorded (what `omnistage bench soak` and tests/reliability judge). Real HTTP through
+httpx, SSE parsed line by line; realtime through a websockets client."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from websockets.exceptions import WebSocketException
+from websockets.sync.client import connect
 
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12}
 IMAGE = {"model": "tiny-image", "prompt": "a red square", "size": "64x64", "response_format": "b64_json"}
@@ -18,12 +21,13 @@ JOB = {
     "inputs": {"prompt": "a blue ball"},
     "params": {"denoiser": {"width": 64, "height": 64, "num_inference_steps": 4}},
 }
-PIPELINE_OF = {"chat": "tiny-llm", "image": "tiny-image", "job": "tiny-image"}
+REALTIME_MODEL = "tiny-omni"
+PIPELINE_OF = {"chat": "tiny-llm", "image": "tiny-image", "job": "tiny-image", "realtime": REALTIME_MODEL}
 
 
 @dataclass
 class Outcome:
-    kind: str  # chat | image | job
+    kind: str  # chat | image | job | realtime
     start: float  # time.monotonic()
     end: float
     ok: bool
@@ -111,7 +115,40 @@ def job(client: httpx.Client) -> Outcome:
     return Outcome("job", t0, time.monotonic(), state["status"] == "completed", 200, code)
 
 
-KINDS = {"chat": chat, "image": image, "job": job}
+def realtime(client: httpx.Client) -> Outcome:
+    """One realtime session: a typed question, one spoken answer of at most 8 tokens, closed.
+    The status is 101 (the websocket upgrade); `code` is the failed response's error code, or
+    that of an `error` event that refused the question."""
+    url = str(client.base_url).replace("http", "ws", 1).rstrip("/") + f"/v1/realtime?model={REALTIME_MODEL}"
+    t0 = time.monotonic()
+    with connect(url, max_size=None, open_timeout=60) as ws:
+        _until(ws, "session.created")
+        update = {"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+        ws.send(json.dumps({"type": "session.update", "session": update}))
+        _until(ws, "session.updated")
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}
+        ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 8}}))
+        event = _until(ws, "response.done")
+    if event["type"] == "error":
+        return Outcome("realtime", t0, time.monotonic(), False, 101, event["error"].get("code") or "error")
+    response = event["response"]
+    details = response.get("status_details") or {}
+    ok = response["status"] == "completed" or details.get("reason") == "max_output_tokens"
+    code = None if ok else ((details.get("error") or {}).get("code") or response["status"])
+    return Outcome("realtime", t0, time.monotonic(), ok, 101, code)
+
+
+def _until(ws, kind: str, timeout: float = 120) -> dict:
+    """The next event of type `kind`, or an `error` event that came first."""
+    end = time.monotonic() + timeout
+    while True:
+        event = json.loads(ws.recv(timeout=max(0.1, end - time.monotonic())))
+        if event["type"] in (kind, "error"):
+            return event
+
+
+KINDS = {"chat": chat, "image": image, "job": job, "realtime": realtime}
 
 
 class Traffic:
@@ -141,7 +178,7 @@ class Traffic:
             while not self._stop.is_set():
                 try:
                     outcome = KINDS[kind](client)
-                except (httpx.HTTPError, ValueError, KeyError) as exc:  # a transport failure is a finding
+                except (httpx.HTTPError, WebSocketException, TimeoutError, ValueError, KeyError) as exc:  # a finding
                     with self._lock:
                         self.errors.append(exc)
                     continue

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import sqlite3
+import time
 
 import av
 import httpx
@@ -157,3 +159,57 @@ def test_chunked_http_download_starts_before_the_job_completes(video_server):
         assert len(_frames(data)) == 41
         # a finished job streams its whole file
         assert client.get(f"/v1/jobs/{job['id']}/stream").content == data
+
+
+def _server_fds(pid: int) -> list[str]:
+    """What the server process's descriptors point to (the shared-memory pool files aside: they
+    follow the pools' size)."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return sorted(t for t in targets if not t.startswith("/dev/shm/omnistage-"))
+
+
+def test_leaving_the_websocket_stream_early_leaves_the_job_running_and_holds_nothing(video_server):
+    import asyncio
+
+    import websockets
+
+    pid = video_server.proc.pid
+    before = _server_fds(pid)
+    params = {"height": 96, "width": 96, "num_frames": 41, "num_inference_steps": 2, "seed": 7}
+    body = {"inputs": {"prompt": "sand"}, "params": {s: dict(params) for s in ("text_encoder", "denoiser", "vae")}}
+    with httpx.Client(base_url=video_server.url, timeout=120) as client:
+        job = client.post("/v1/jobs", json={"model": "tiny-video", **body}).json()
+    url = f"ws://127.0.0.1:{video_server.port}/v1/jobs/{job['id']}/stream"
+
+    async def leave_after_the_first_segment() -> bool:
+        async with websockets.connect(url) as ws:
+            async for message in ws:
+                if isinstance(message, bytes):
+                    return True  # leaves: the context closes the connection mid-stream
+        return False
+
+    async def stay() -> bytes:
+        async with websockets.connect(url) as ws:
+            return b"".join([m async for m in ws if isinstance(m, bytes)])
+
+    async def both() -> tuple[bool, bytes]:
+        return await asyncio.gather(leave_after_the_first_segment(), stay())
+
+    left_mid_stream, streamed = asyncio.run(both())
+    assert left_mid_stream
+    with httpx.Client(base_url=video_server.url, timeout=120) as client:
+        done = client.get(f"/v1/jobs/{job['id']}").json()
+        # leaving a stream is not a cancel: the job ran to the end for the client that stayed
+        assert done["status"] == "completed", done
+        finished = client.get(done["outputs"]["video"]["files"][0]["url"]).content
+    assert streamed == finished and len(_frames(streamed)) == 41
+    # the server closed its side of both connections and holds no other descriptor for them
+    deadline = time.monotonic() + 15
+    while _server_fds(pid) != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _server_fds(pid) == before, (before, _server_fds(pid))

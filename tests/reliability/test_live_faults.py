@@ -1,6 +1,7 @@
-"""Faults under mixed traffic against a real `omnistage serve tiny-llm tiny-image`: each stage
-worker SIGKILLed in turn while streamed chat, images and jobs run; a client that leaves a
-stream early. The judge is what real HTTP clients see, and the server's own /metrics."""
+"""Faults under mixed traffic against a real `omnistage serve tiny-llm tiny-image tiny-omni`:
+each stage worker SIGKILLed in turn while streamed chat, images, jobs and realtime voice
+sessions run; a client that leaves a stream early. The judge is what real HTTP and websocket
+clients see, and the server's own /metrics."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ from omnistage.bench.soak_traffic import CHAT, Outcome, Traffic, p99
 from omnistage.tests.api.conftest import live_server
 from omnistage.tests.serving.conftest import cmdline, descendants
 
-STAGES = [("tiny-llm", "llm"), ("tiny-image", "text_encoder"), ("tiny-image", "denoiser"), ("tiny-image", "vae")]
+STAGES = [
+    ("tiny-llm", "llm"),
+    ("tiny-image", "text_encoder"),
+    ("tiny-image", "denoiser"),
+    ("tiny-image", "vae"),
+    # the stages a typed realtime question goes through (no audio in: the encoders sit idle)
+    ("tiny-omni", "thinker"),
+    ("tiny-omni", "talker"),
+    ("tiny-omni", "token2wav"),
+]
+KINDS = ("chat", "image", "job", "realtime")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with live_server(tmp_path_factory, ["tiny-llm", "tiny-image"]) as server:
+    with live_server(tmp_path_factory, ["tiny-llm", "tiny-image", "tiny-omni"], timeout=600) as server:
         yield server
 
 
@@ -53,7 +64,7 @@ def metric(server, name: str, **labels: str) -> float:
 
 
 def test_sigkill_of_each_worker_fails_only_what_it_held(server):
-    traffic = Traffic(server.url, {"chat": 2, "image": 1, "job": 1}).start()
+    traffic = Traffic(server.url, {"chat": 2, "image": 1, "job": 1, "realtime": 1}).start()
     kills: list[tuple[str, str, float, float]] = []  # pipeline, stage, killed at, ready after (s)
     try:
         time.sleep(3.0)
@@ -78,24 +89,25 @@ def test_sigkill_of_each_worker_fails_only_what_it_held(server):
         # only requests in flight on the killed worker's pipeline, with a clear retryable error
         assert held_at_a_kill(o), o
         assert o.code == "worker_died", o
-        assert o.status == 200 or (o.status == 503 and o.retry_after), o
-    for kind in ("chat", "image", "job"):
+        # in-band once a stream began (SSE: 200, a realtime response: 101), else 503 + Retry-After
+        assert o.status in (200, 101) or (o.status == 503 and o.retry_after), o
+    for kind in KINDS:
         assert sum(o.ok and o.kind == kind for o in outcomes) >= 2, (kind, outcomes)
-    # the other pipeline kept answering during each fault (kill -> ready again)
+    # the other pipelines kept answering during each fault (kill -> ready again)
     report = []
     for pipeline, stage, t_kill, ready_s in kills:
         during = [o for o in outcomes if o.pipeline != pipeline and o.end >= t_kill and o.start <= t_kill + ready_s]
         before = [o for o in outcomes if o.pipeline != pipeline and o.end < kills[0][2]]
         assert all(o.ok for o in during), (pipeline, stage, [o for o in during if not o.ok])
-        assert during, f"nothing of the other pipeline ran while {pipeline}/{stage} restarted"
+        assert during, f"nothing of the other pipelines ran while {pipeline}/{stage} restarted"
         report.append(
-            f"{pipeline}/{stage}: ready again after {ready_s:.1f}s; other pipeline p99 "
+            f"{pipeline}/{stage}: ready again after {ready_s:.1f}s; other pipelines p99 "
             f"{p99([o.seconds for o in before]):.2f}s before, {p99([o.seconds for o in during]):.2f}s during "
             f"({len(during)} requests); failed here: {sum(1 for o in failed if o.pipeline == pipeline)}"
         )
     print("\n".join(report))
     # everything works again afterwards
-    after = Traffic(server.url, {"chat": 1, "image": 1, "job": 1})
+    after = Traffic(server.url, dict.fromkeys(KINDS, 1))
     after.start()
     time.sleep(2.0)
     assert all(o.ok for o in after.stop()), after.outcomes
