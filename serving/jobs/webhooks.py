@@ -25,7 +25,14 @@ from email.utils import parsedate_to_datetime
 import aiohttp
 
 from omnistage.serving.jobs.model import Delivery, JobsConfig
-from omnistage.serving.jobs.ssrf import Resolver, UnsafeDestinationError, check_destination, parse_allow_list, pinned
+from omnistage.serving.jobs.ssrf import (
+    Resolver,
+    UnsafeDestinationError,
+    check_destination,
+    needs_lookup,
+    parse_allow_list,
+    pinned,
+)
 from omnistage.serving.jobs.store import JobStore
 
 log = logging.getLogger("omnistage.jobs")
@@ -130,8 +137,12 @@ class WebhookSender:
         status, error, retry_after, refused = None, None, None, False
         started = time.monotonic()
         try:
-            # resolved again now, and the request goes to an address this check accepted
-            addresses = await asyncio.to_thread(check_destination, delivery.url, self.allow, self.resolver)
+            # resolved again now (DNS in a thread, never on the loop), and the request goes to an
+            # address this check accepted
+            if needs_lookup(delivery.url):
+                addresses = await asyncio.to_thread(check_destination, delivery.url, self.allow, self.resolver)
+            else:
+                addresses = check_destination(delivery.url, self.allow, self.resolver)
             url, host, server_name = pinned(delivery.url, addresses[0])
             timestamp = int(time.time())
             headers = webhook_headers(self._secrets(delivery), delivery.id, timestamp, delivery.payload)
