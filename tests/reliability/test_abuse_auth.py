@@ -5,7 +5,8 @@
   401 `invalid_api_key` in OpenAI's shape, or a websocket closed before its handshake (403) —
   except the public routes named below; the right key passes the check;
 - a prompt key A sent is answered from the prefix cache for A again but never for B
-  (`usage.prompt_tokens_details.cached_tokens`);
+  (`usage.prompt_tokens_details.cached_tokens`), and B's repeat of it is not faster than a cold
+  prefill (the timing side channel);
 - webhook destinations that are private, loopback, link-local, metadata, IPv6 forms of them,
   or names resolving there are refused at submission, and a redirect from an allowed receiver
   into a loopback one is not followed.
@@ -232,3 +233,30 @@ def test_an_image_url_is_readable_with_the_key_that_asked_for_it_only(server):
         assert a.get(url).status_code == 200 and a.get(url).content.startswith(b"\x89PNG")
         refused = b.get(url)
         assert refused.status_code == 404 and refused.json()["error"]["code"] == "not_found", refused.text
+
+
+def test_another_keys_repeat_of_a_prompt_is_not_faster(server):
+    """The timing side channel: a prompt's repeat by the key that sent it is answered from the
+    prefix cache, visibly faster; the same prompt from another key takes a cold prefill's time."""
+
+    def seconds(client: httpx.Client, text: str) -> float:
+        body = {"model": "tiny-llm", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        t0 = time.perf_counter()
+        r = client.post("/v1/chat/completions", json=body)
+        took = time.perf_counter() - t0
+        assert r.status_code == 200, r.text
+        return took
+
+    cold, warm, other = [], [], []
+    with _client(server, KEY_A) as a, _client(server, KEY_B) as b:
+        seconds(a, "warm-up")
+        for _ in range(7):
+            text = uuid.uuid4().hex + " " + " ".join(uuid.uuid4().hex[:6] for _ in range(280))  # ~1.9k tokens
+            cold.append(seconds(a, text))
+            warm.append(seconds(a, text))
+            other.append(seconds(b, text))
+    cold_s, warm_s, other_s = (sorted(v)[3] for v in (cold, warm, other))  # medians of 7
+    print(f"median cold {cold_s * 1000:.1f} ms, repeat by A {warm_s * 1000:.1f} ms, by B {other_s * 1000:.1f} ms")
+    # the cache's speedup shows in this measurement (~4x here), and B does not get it
+    assert cold_s > 2 * warm_s, (cold, warm)
+    assert other_s > 2 * warm_s, (other, warm)
