@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import re
 import threading
 
@@ -155,3 +156,20 @@ def test_a_burst_waits_in_the_store_and_every_job_completes(jobs_server):
         assert max(p for p in positions if p is not None) >= 10
         for job_id in ids:
             assert wait_status(client, job_id, ("completed", "failed"))["status"] == "completed"
+
+
+def test_an_output_event_s_url_answers_at_once(jobs_server):
+    """A client that fetches the file as soon as the `output` event names it (the demo page
+    does) gets it: the event comes before the finished job's record lists its files."""
+    with httpx.Client(base_url=jobs_server.url, timeout=60) as client:
+        for seed in range(3):
+            job = client.post("/v1/jobs", json=image_job(seed=10 + seed)).json()
+            with client.stream("GET", f"/v1/jobs/{job['id']}/events") as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:") and '"type": "output"' in line.replace('":"', '": "'):
+                        url = json.loads(line[5:])["urls"][0]["url"]
+                        got = client.get(url)
+                        assert got.status_code == 200 and got.content[:8] == b"\x89PNG\r\n\x1a\n", got.text[:300]
+                        break
+                else:
+                    raise AssertionError("no output event")
