@@ -177,7 +177,10 @@ class Scheduler:
             return None
         for port, value in record.items():
             if isinstance(value, dict) and "files" in value:
-                await service.emit(job.id, "output", {"port": port, "urls": service.output_urls(job.id, value)})
+                # the job's record lists its files in the same transaction, so a client that
+                # fetches a URL as soon as this event names it finds the file
+                urls = service.output_urls(job.id, value)
+                await service.emit(job.id, "output", {"port": port, "urls": urls}, job_update={"outputs": record})
         await service.finish(job.id, JobStatus.COMPLETED, outputs=record)
         return None
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import logging
-import mimetypes
 import os
 from contextlib import asynccontextmanager
 from typing import Any
@@ -177,10 +176,6 @@ async def job_output(job_id: str, name: str, request: Request):
         ),
         None,
     )
-    if media_type is None and path is not None and not job.status.finished:
-        # announced by the job's `output` event, which comes before the finished job's record
-        # lists its files
-        media_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
     if path is None or media_type is None:
         raise JobNotFoundError(f"{job_id}/outputs/{name}")
     return FileResponse(path, media_type=media_type, filename=name, content_disposition_type="inline")
