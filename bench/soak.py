@@ -81,22 +81,25 @@ def _metric_sum(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def fd_targets(pid: int) -> list[str]:
+    """What the process's open descriptors point to, less the runtime's shared-memory pool files
+    (their number follows the pools' size, which a held-segment count judges)."""
+    targets: list[str] = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return [t for t in targets if not t.startswith("/dev/shm/omnistage-")]
+
+
 def tree_resources(root: int) -> dict:
     """Open file descriptors, threads, processes and RSS per process of `root`'s tree."""
     pids = process_tree(root)
-    targets: list[str] = []
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                except OSError:
-                    pass
-        except OSError:
-            pass
-    # descriptors on the runtime's shared-memory pool files follow the pools' size, which a
-    # held-segment count judges; the rest must not grow
-    others = [t for t in targets if not t.startswith("/dev/shm/omnistage-")]
+    others = [t for pid in pids for t in fd_targets(pid)]
     return {
         "fds": len(others),
         "fd_targets": others,

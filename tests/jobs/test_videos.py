@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import os
 import sqlite3
 import time
 
@@ -14,6 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
+from omnistage.bench.soak import fd_targets
 from omnistage.serving.jobs.schema import migration_statements
 from omnistage.serving.jobs.store import MIGRATIONS, SQLiteJobStore
 from omnistage.tests.jobs.conftest import jobs_env, start_jobs_server
@@ -161,25 +161,13 @@ def test_chunked_http_download_starts_before_the_job_completes(video_server):
         assert client.get(f"/v1/jobs/{job['id']}/stream").content == data
 
 
-def _server_fds(pid: int) -> list[str]:
-    """What the server process's descriptors point to (the shared-memory pool files aside: they
-    follow the pools' size)."""
-    targets = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            pass
-    return sorted(t for t in targets if not t.startswith("/dev/shm/omnistage-"))
-
-
 def test_leaving_the_websocket_stream_early_leaves_the_job_running_and_holds_nothing(video_server):
     import asyncio
 
     import websockets
 
     pid = video_server.proc.pid
-    before = _server_fds(pid)
+    before = sorted(fd_targets(pid))
     params = {"height": 96, "width": 96, "num_frames": 41, "num_inference_steps": 2, "seed": 7}
     body = {"inputs": {"prompt": "sand"}, "params": {s: dict(params) for s in ("text_encoder", "denoiser", "vae")}}
     with httpx.Client(base_url=video_server.url, timeout=120) as client:
@@ -210,6 +198,6 @@ def test_leaving_the_websocket_stream_early_leaves_the_job_running_and_holds_not
     assert streamed == finished and len(_frames(streamed)) == 41
     # the server closed its side of both connections and holds no other descriptor for them
     deadline = time.monotonic() + 15
-    while _server_fds(pid) != before and time.monotonic() < deadline:
+    while sorted(fd_targets(pid)) != before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _server_fds(pid) == before, (before, _server_fds(pid))
+    assert sorted(fd_targets(pid)) == before, (before, sorted(fd_targets(pid)))
