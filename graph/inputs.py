@@ -68,6 +68,36 @@ def check_inputs(spec: Any, inputs: Mapping[str, Any]) -> None:
                 raise InvalidRequestError(f"input {port!r} {problem}", param=f"inputs.{port}")
 
 
+def check_params(spec: Any, params: Mapping[str, Any]) -> None:
+    """Refuse per-request params for unknown stages, a stage's params that are not a dict,
+    and what its stage kind's declaration refuses (an unknown key, a value out of range, a
+    rule across values; over the stage's YAML request_defaults, as the stage sees them):
+    InvalidRequestError naming the key. The stage checks again with what only it knows (an
+    instance's narrower set, its model's limits); this part any process can answer at once,
+    so a job with bad params is refused when it is submitted instead of failing later."""
+    from omnistage.stages.registry import get_stage_class
+
+    bad = set(params) - set(spec.stages)
+    if bad:
+        raise InvalidRequestError(
+            f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
+        )
+    for stage, values in params.items():
+        if not isinstance(values, Mapping):
+            raise InvalidRequestError(
+                f"params for stage {stage!r} must be an object {{name: value}}, got {type(values).__name__}",
+                param=f"params.{stage}",
+            )
+        try:
+            declared = get_stage_class(spec.stages[stage].kind).request_params
+        except KeyError:  # a kind registered only in the workers (a built object): they check
+            continue
+        try:
+            declared.validate({**(spec.stages[stage].request_defaults or {}), **values})
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"stage {stage!r}: {exc}", param=exc.param) from None
+
+
 def check_request(
     spec: Any, inputs: Any, params: dict[str, dict] | None, deadline: float | None
 ) -> tuple[dict[str, dict], float | None]:
@@ -84,11 +114,7 @@ def check_request(
         raise InvalidRequestError(f"no pipeline inputs given; inputs are {sorted(spec.inputs)}")
     check_inputs(spec, inputs)  # declared shapes/dtypes: 400 before any stage
     params = dict(params or {})
-    bad = set(params) - set(spec.stages)
-    if bad:
-        raise InvalidRequestError(
-            f"params for unknown stage(s) {sorted(bad)}; stages are {sorted(spec.stages)}", param="params"
-        )
+    check_params(spec, params)
     if deadline is None and spec.default_deadline_s:
         deadline = time.time() + spec.default_deadline_s
     return params, deadline

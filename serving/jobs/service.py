@@ -20,6 +20,7 @@ import uuid
 from typing import Any
 
 from omnistage.errors import InvalidRequestError, NotFoundError, OmnistageError
+from omnistage.graph.inputs import check_params
 from omnistage.serving.errors import ModelNotFoundError
 from omnistage.serving.jobs.admission import SubmitBatcher
 from omnistage.serving.jobs.group_commit import GroupCommitter
@@ -132,7 +133,7 @@ class JobService:
                      api: str = "jobs", owner: str | None = None) -> tuple[Job, bool, dict]:  # fmt: skip
         """Validate and store a job; an idempotency key seen before returns that job (and False).
         Returns (job, created, its JSON shape). Concurrent submissions share one transaction."""
-        self._check_inputs(model, inputs, output_format)
+        self._check_request(model, inputs, params, output_format)
         if webhook is not None:
             webhook = self._check_webhook(webhook)
             if needs_lookup(webhook["url"]):  # DNS never runs on the event loop
@@ -153,7 +154,7 @@ class JobService:
         self.notify()
         return admitted.job, True, self.job_json(admitted.job, queue_position=admitted.queue_position, attempts=[])
 
-    def _check_inputs(self, model: str, inputs: dict, output_format: dict) -> None:
+    def _check_request(self, model: str, inputs: dict, params: dict, output_format: dict) -> None:
         from omnistage.serving.routes.pipelines import _to_inputs
 
         entry = self.registry.entry(model)
@@ -162,6 +163,7 @@ class JobService:
         spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
         if spec is not None:
             _to_inputs(spec, inputs)
+            check_params(spec, params)
             output_formats(spec, output_format)
 
     def _check_webhook(self, webhook: dict) -> dict:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
+from omnistage.errors import InvalidRequestError
 from omnistage.serving.apidocs import inline_schema
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.routes.chat_models import Usage
@@ -66,10 +67,14 @@ class Completion(BaseModel):
 
 def _prompt(body: CompletionRequest) -> str:
     if isinstance(body.prompt, str):
-        return body.prompt
-    if len(body.prompt) != 1:
+        prompt = body.prompt
+    elif len(body.prompt) != 1:
         raise UnsupportedError("prompt: one prompt per request (send several requests)", param="prompt")
-    return body.prompt[0]
+    else:
+        prompt = body.prompt[0]
+    if not prompt:
+        raise InvalidRequestError("prompt: the prompt is empty", param="prompt")
+    return prompt
 
 
 def _check(body: CompletionRequest) -> None:

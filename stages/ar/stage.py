@@ -314,7 +314,8 @@ class ARLMStage(StageEngine):
         if inputs.get("position_ids") is not None:
             positions = torch.as_tensor(inputs["position_ids"], dtype=torch.long)
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            port = text_inputs[0] if text_inputs else "tokens"
+            raise InvalidRequestError("the prompt is empty", param=f"inputs.{port}")
         return ids, embeds, positions
 
     def _text_ids(self, form: str, value: Any) -> list[int]:

@@ -131,3 +131,24 @@ def test_denoiser_refuses_unknown_request_params():
     assert done["typo"].error_kind == "invalid_request" and done["typo"].param == "num_inference_step"
     assert "did you mean 'num_inference_steps'" in done["typo"].error
     assert done["bad"].param == "guidance_scale"
+
+
+def test_admission_refuses_what_the_stage_would_before_any_worker_runs():
+    """graph.inputs.check_params (the runtime's admission and POST /v1/jobs) answers from the
+    declarations alone: no worker is started here."""
+    from omnistage.graph.inputs import check_params
+    from omnistage.graph.loader import load_pipeline
+
+    image, llm = load_pipeline("tiny-image"), load_pipeline("tiny-llm")
+    check_params(image, {"denoiser": {"width": 64, "num_inference_steps": 2}, "vae": {}})
+    cases = [
+        (image, {"denoiser": {"width": "x"}}, "width"),
+        (image, {"vae": {"nope": 1}}, "nope"),
+        (image, {"denoiser": 5}, "params.denoiser"),
+        (image, {"decoder": {}}, "params"),
+        (llm, {"llm": {"min_tokens": 9, "max_tokens": 4}}, "min_tokens"),  # a rule across values
+    ]
+    for spec, params, param in cases:
+        with pytest.raises(InvalidRequestError) as refused:
+            check_params(spec, params)
+        assert refused.value.param == param, (params, refused.value)

@@ -3,21 +3,26 @@
 - schemathesis (its own CLI, the real tool) generates requests for every operation in the
   server's /openapi.json, a few examples each, plus its coverage and stateful phases: no 5xx
   answer, no request running past 30 s;
-- hypothesis sends chat completions to the real model with arbitrary values for every
-  sampling parameter: each is answered 200 with a completion or 400 with an OpenAI-style
-  error naming the parameter, never 5xx."""
+- hypothesis sends chat completions, completions and image generations to the real models
+  with arbitrary values for their request fields, and pipeline runs and jobs with arbitrary
+  per-stage params (the names each stage declares, read from GET /v1/pipelines/{name}, plus
+  unknown ones): each is answered with a result or a 400 with an OpenAI-style error naming
+  the parameter, never 5xx; a job with params its stage kind does not declare is refused
+  when submitted."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from omnistage.bench.soak_traffic import IMAGE
 from omnistage.tests.api.conftest import live_server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
@@ -83,20 +88,154 @@ PARAMS = [
 ]
 
 
+# A valid but large value is not abuse, only slow: capped at these.
+CAPS = {
+    "max_tokens": 64,
+    "max_completion_tokens": 64,
+    "n": 4,
+    "best_of": 4,
+    "num_inference_steps": 4,
+    "partial_images": 2,
+    "max_new_tokens": 64,
+}
+
+
+def capped(values: dict) -> dict:
+    return {k: min(v, CAPS[k]) if k in CAPS and type(v) is int else v for k, v in values.items()}
+
+
+def assert_served_or_named_400(r: httpx.Response, sent, streamed: bool, result_key: str) -> None:
+    assert r.status_code in (200, 400), (sent, r.status_code, r.text[:500])
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"] and error["param"], (sent, error)
+    elif streamed:
+        assert r.text.rstrip().endswith("data: [DONE]"), (sent, r.text[-300:])
+    else:
+        assert r.json()[result_key], (sent, r.text[:300])
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(st.dictionaries(st.sampled_from(PARAMS), anything, min_size=1, max_size=4))
 def test_chat_params_are_served_or_refused_with_a_named_parameter(server, params):
-    body = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **params}
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 64:
-        body["max_tokens"] = 64  # a valid huge value is not abuse, only slow
-    if isinstance(body.get("n"), int) and body["n"] > 4:
-        body["n"] = 4
+    body = capped({"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **params})
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code in (200, 400), (params, r.status_code, r.text[:500])
-    if r.status_code == 400:
-        error = r.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["message"] and error["param"], error
-    elif body.get("stream") is True:
-        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
-    else:
-        assert r.json()["choices"], r.text[:300]
+    assert_served_or_named_400(r, params, body.get("stream") is True, "choices")
+
+
+COMPLETION_FIELDS = [
+    "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "best_of", "echo",
+    "suffix", "logprobs", "stop", "stop_token_ids", "seed", "min_tokens", "ignore_eos",
+    "repetition_penalty", "logit_bias", "stream", "stream_options",
+]  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.dictionaries(st.sampled_from(COMPLETION_FIELDS), anything, min_size=1, max_size=4))
+def test_completion_fields_are_served_or_refused_with_a_named_parameter(server, fields):
+    body = capped({"model": "tiny-llm", "prompt": "once upon", "max_tokens": 4, **fields})
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert_served_or_named_400(r, fields, body.get("stream") is True, "choices")
+
+
+IMAGE_FIELDS = [
+    "prompt", "n", "size", "response_format", "output_format", "output_compression", "background",
+    "quality", "style", "stream", "partial_images", "negative_prompt", "num_inference_steps",
+    "guidance_scale", "seed", "user",
+]  # fmt: skip
+image_value = st.one_of(
+    anything,
+    st.sampled_from(["64x64", "auto", "0x0", "64x65", "-64x64", "64X64", "99999x99999", "1x1", " 64x64"]),
+    st.sampled_from(["png", "jpeg", "webp", "url", "b64_json", "transparent", "hd"]),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.dictionaries(st.sampled_from(IMAGE_FIELDS), image_value, min_size=1, max_size=4))
+def test_image_fields_are_served_or_refused_with_a_named_parameter(server, fields):
+    body = capped({**IMAGE, "num_inference_steps": 2, **fields})
+    r = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
+    assert_served_or_named_400(r, fields, body.get("stream") is True, "data")
+
+
+@pytest.fixture(scope="module")
+def stage_params(server) -> dict[str, dict[str, list[str]]]:
+    """{pipeline: {stage: [declared request param names]}} as GET /v1/pipelines/{name} lists them."""
+    out = {}
+    for name in ("tiny-llm", "tiny-image"):
+        card = httpx.get(f"{server.url}/v1/pipelines/{name}", timeout=30).json()
+        out[name] = {stage: [p["name"] for p in about["params"]] for stage, about in card["stages"].items()}
+        assert all(out[name].values()), card  # the fuzz below draws from these names
+    return out
+
+
+@st.composite
+def pipeline_params(draw, stage_params):
+    """(pipeline, {stage: {param: value}}): declared names mostly, unknown stages and keys
+    sometimes, a stage's params now and then not an object at all."""
+    pipeline = draw(st.sampled_from(sorted(stage_params)))
+    stages = stage_params[pipeline]
+    params: dict = {}
+    for stage in draw(st.lists(st.sampled_from([*stages, "no_such_stage"]), min_size=1, max_size=3, unique=True)):
+        names = st.sampled_from([*stages.get(stage, []), "no_such_param"])
+        if draw(st.integers(0, 9)) == 0:
+            params[stage] = draw(anything)
+        else:
+            params[stage] = capped(draw(st.dictionaries(names, image_value, min_size=1, max_size=3)))
+    return pipeline, params
+
+
+INPUTS = {"tiny-llm": {"prompt": "hello"}, "tiny-image": {"prompt": "a red square"}}
+SMALL = {"tiny-llm": {"llm": {"max_tokens": 4}}, "tiny-image": {"denoiser": {"width": 64, "height": 64, "num_inference_steps": 2}}}  # fmt: skip
+
+
+def merged(pipeline: str, params: dict) -> dict:
+    out = {stage: dict(values) for stage, values in SMALL[pipeline].items()}
+    for stage, values in params.items():
+        out[stage] = {**out.get(stage, {}), **values} if isinstance(values, dict) else values
+    return out
+
+
+def test_pipeline_params_are_served_or_refused_with_a_named_parameter(server, stage_params):
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(pipeline_params(stage_params))
+    def run(drawn):
+        pipeline, params = drawn
+        body = {"inputs": INPUTS[pipeline], "params": merged(pipeline, params)}
+        r = httpx.post(f"{server.url}/v1/pipelines/{pipeline}/run", json=body, timeout=120)
+        assert_served_or_named_400(r, params, False, "outputs")
+
+    run()
+
+
+def test_job_params_are_refused_at_once_or_by_their_stage(server, stage_params):
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(pipeline_params(stage_params))
+    @example(("tiny-image", {"denoiser": {"width": 66}}))  # not a multiple of the model's 4: the stage's
+    @example(("tiny-image", {"vae": {"widht": 64}}))
+    def run(drawn):
+        pipeline, params = drawn
+        body = {"model": pipeline, "inputs": INPUTS[pipeline], "params": merged(pipeline, params)}
+        r = httpx.post(f"{server.url}/v1/jobs", json=body, timeout=60)
+        assert r.status_code in (202, 400), (params, r.status_code, r.text[:500])
+        if r.status_code == 400:
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["param"], (params, error)
+            return
+        job_id = r.json()["id"]
+        deadline = time.monotonic() + 120
+        while (job := httpx.get(f"{server.url}/v1/jobs/{job_id}", timeout=30).json())["status"] in (
+            "queued",
+            "in_progress",
+        ):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.05)
+        # what only the stage knows (its model's size range, its max_inference_steps) fails
+        # the job when it runs, with the stage's own 400 error
+        if job["status"] != "completed":
+            error = job["error"]
+            assert job["status"] == "failed" and error["code"] == "invalid_request_error" and error["message"], job
+            declared = {name for names in stage_params[pipeline].values() for name in names}
+            assert error.get("param") in declared, (params, job)  # an undeclared one is refused at once
+
+    run()

@@ -54,6 +54,9 @@ def test_invalid_request_error_reaches_the_caller(sleepy):
         sleepy.run({})
     with pytest.raises(InvalidRequestError, match="unknown stage"):
         sleepy.run({"x": torch.ones(1)}, {"nope": {}})
+    with pytest.raises(InvalidRequestError, match="must be an object") as refused:  # was a TypeError
+        sleepy.run({"x": torch.ones(1)}, {"sleeper": 5})
+    assert refused.value.param == "params.sleeper"
 
 
 def test_64mib_tensor_round_trip(sleepy):
