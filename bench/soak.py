@@ -96,6 +96,37 @@ def fd_targets(pid: int) -> list[str]:
     return [t for t in targets if not t.startswith("/dev/shm/omnistage-")]
 
 
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+
+
+def describe_fd(pid: int, target: str) -> str:
+    """`target` with what a socket is: "socket:[N] tcp 127.0.0.1:8000 <- 127.0.0.1:5123
+    CLOSE_WAIT" (the kernel's tables), so a leaked descriptor says where it leads."""
+    if not target.startswith("socket:["):
+        return target
+    inode = target[len("socket:[") : -1]
+    for table in ("tcp", "tcp6", "udp", "unix"):
+        try:
+            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if table == "unix" and len(cols) >= 7 and cols[6] == inode:
+                return f"{target} unix {cols[7] if len(cols) > 7 else '(unnamed)'}"
+            if table != "unix" and len(cols) >= 10 and cols[9] == inode:
+                local, remote = (_address(c) for c in cols[1:3])
+                return f"{target} {table} {local} <- {remote} {_TCP_STATES.get(cols[3], cols[3])}"
+    return target
+
+
+def _address(hex_address: str) -> str:
+    host, port = hex_address.split(":")
+    if len(host) == 8:  # IPv4, little-endian
+        host = ".".join(str(int(host[i : i + 2], 16)) for i in (6, 4, 2, 0))
+    return f"{host}:{int(port, 16)}"
+
+
 def tree_resources(root: int) -> dict:
     """Open file descriptors, threads, processes and RSS per process of `root`'s tree."""
     pids = process_tree(root)

@@ -205,12 +205,18 @@ class Scheduler:
         chunks: dict[str, list[Any]] = {p: [] for p in pipeline.spec.outputs}
         params = salted(pipeline.spec, job.params, job.owner)  # one key's prompts never warm another's cache
         stream = pipeline.stream(inputs, params, request_id=f"{job.id}-{job.attempts}")
-        last_progress: tuple[int, int] | None = None
+        last_percent: tuple[Any, int] | None = None
+        last_step: tuple[int, int] | None = None
         try:
             async for chunk in stream:
-                if chunk.progress is not None and tuple(chunk.progress) != last_progress:
-                    last_progress = tuple(chunk.progress)
-                    await self.service.progress(job.id, *last_progress, stage=chunk.stage)
+                if chunk.progress is not None and tuple(chunk.progress) != last_step:
+                    done, total = last_step = tuple(chunk.progress)
+                    # one event per percent (and the first and last step): a 1,000-step job
+                    # writes ~100 progress rows to the store, not 1,000
+                    percent = (chunk.stage, int(100 * done / total) if total else done)
+                    if percent != last_percent or done == total:
+                        last_percent = percent
+                        await self.service.progress(job.id, done, total, stage=chunk.stage)
                 if chunk.port is not None and chunk.data is not None:
                     chunks.setdefault(chunk.port, []).append(chunk.data)
                     if live is not None and chunk.port == live.port and await asyncio.to_thread(live.push, chunk.data):

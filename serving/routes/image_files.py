@@ -51,8 +51,12 @@ class ImageFileStore:
         self.directory.mkdir(parents=True, exist_ok=True)
         name = f"{uuid.uuid4().hex}.{EXTENSIONS[output_format]}"
         tmp = self.directory / f".{name}.tmp"
-        tmp.write_bytes(data)
-        tmp.replace(self.directory / name)  # a reader never sees a half-written file
+        try:
+            tmp.write_bytes(data)
+            tmp.replace(self.directory / name)  # a reader never sees a half-written file
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk keeps no partial file
+            raise
         return name
 
     def expires_at(self, name: str) -> float | None:

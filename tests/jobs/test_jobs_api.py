@@ -50,6 +50,18 @@ def test_job_runs_and_its_file_equals_the_synchronous_run(jobs_server):
         assert job["id"] in [j["id"] for j in listed["data"]]
 
 
+def test_a_long_job_logs_one_progress_event_per_percent(jobs_server):
+    with httpx.Client(base_url=jobs_server.url, timeout=60) as client:
+        job = client.post("/v1/jobs", json=image_job(steps=250)).json()
+        wait_status(client, job["id"], ("completed",), timeout=300)
+        events = sse_events(client.get(f"/v1/jobs/{job['id']}/events").text)
+    done = [e[2]["done"] for e in events if e[1] == "progress"]
+    # the first step, each percent reached (250 steps: every 2.5 steps), the last step
+    expected = [1] + [s for s in range(2, 251) if 100 * s // 250 != 100 * (s - 1) // 250]
+    assert done == expected, done
+    assert len(done) == 101
+
+
 def test_idempotency_key_returns_the_same_job(jobs_server):
     with httpx.Client(base_url=jobs_server.url, timeout=60) as client:
         headers = {"Idempotency-Key": "same-key-1"}

@@ -13,7 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
-from omnistage.bench.soak import fd_targets
+from omnistage.bench.soak import describe_fd, fd_targets
 from omnistage.serving.jobs.schema import migration_statements
 from omnistage.serving.jobs.store import MIGRATIONS, SQLiteJobStore
 from omnistage.tests.jobs.conftest import jobs_env, start_jobs_server
@@ -200,4 +200,6 @@ def test_leaving_the_websocket_stream_early_leaves_the_job_running_and_holds_not
     deadline = time.monotonic() + 15
     while sorted(fd_targets(pid)) != before and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert sorted(fd_targets(pid)) == before, (before, sorted(fd_targets(pid)))
+    now = sorted(fd_targets(pid))
+    extra = [describe_fd(pid, t) for t in now if t not in before]
+    assert now == before, (extra, [t for t in before if t not in now])

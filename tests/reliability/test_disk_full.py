@@ -81,6 +81,10 @@ def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_
             # what needs no disk still works
             assert client.get("/health").status_code == 200
             assert client.post("/v1/images/generations", json=IMAGE).status_code == 200
+            # an image answered by URL is a file: refused like a job, no partial file kept
+            by_url = client.post("/v1/images/generations", json={**IMAGE, "response_format": "url"})
+            assert by_url.status_code == 507 and by_url.json()["error"]["code"] == "storage_full", by_url.text
+            assert not [p.name for p in (jobs_dir / "images").glob("*")], "a partial image file was kept"
             assert client.get(f"/v1/jobs/{first.json()['id']}").json()["status"] == "completed"
             ended = wait_job(client, running)
             assert ended["status"] == "failed" and ended["error"]["code"] == "storage_full", ended
