@@ -88,6 +88,10 @@ def check_params(spec: Any, params: Mapping[str, Any]) -> None:
                 f"params for stage {stage!r} must be an object {{name: value}}, got {type(values).__name__}",
                 param=f"params.{stage}",
             )
+        if not all(isinstance(key, str) and key for key in values):
+            raise InvalidRequestError(
+                f"params for stage {stage!r}: every parameter name must be a non-empty string", param=f"params.{stage}"
+            )
         try:
             declared = get_stage_class(spec.stages[stage].kind).request_params
         except KeyError:  # a kind registered only in the workers (a built object): they check

@@ -84,9 +84,19 @@ def omnistage_error_response(err: OmnistageError) -> JSONResponse:
     )
 
 
+# Parts of a pydantic error location that name a member of a union, not a field:
+# ("body", "voice", "str") is the field `voice` tried as a str.
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none"})
+
+
+def _is_union_member_tag(part: str) -> bool:
+    return part in _UNION_MEMBER_TAGS or part[:1].isupper() or any(c in part for c in "[]-'(), ")
+
+
 def _loc_to_param(loc: tuple | list) -> str | None:
-    """("body", "messages", 0, "role") -> "messages[0].role"."""
+    """("body", "messages", 0, "role") -> "messages[0].role"; ("body", "voice", "str") -> "voice"."""
     parts = [p for p in loc if p not in ("body", "query", "path", "header", "cookie")]
+    parts = [p for p in parts if not (isinstance(p, str) and _is_union_member_tag(p))]
     out = ""
     for part in parts:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))

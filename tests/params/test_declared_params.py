@@ -145,6 +145,7 @@ def test_admission_refuses_what_the_stage_would_before_any_worker_runs():
         (image, {"denoiser": {"width": "x"}}, "width"),
         (image, {"vae": {"nope": 1}}, "nope"),
         (image, {"denoiser": 5}, "params.denoiser"),
+        (image, {"text_encoder": {"": 0}}, "params.text_encoder"),  # a name that cannot be named
         (image, {"decoder": {}}, "params"),
         (llm, {"llm": {"min_tokens": 9, "max_tokens": 4}}, "min_tokens"),  # a rule across values
     ]

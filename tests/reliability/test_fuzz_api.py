@@ -3,7 +3,8 @@
 - schemathesis (its own CLI, the real tool) generates requests for every operation in the
   server's /openapi.json, a few examples each, plus its coverage and stateful phases: no 5xx
   answer, no request running past 30 s;
-- hypothesis sends chat completions, completions and image generations to the real models
+- hypothesis sends chat completions, completions, image generations and image edits
+  (multipart, with valid, odd-sized and undecodable images and masks) to the real models
   with arbitrary values for their request fields, and pipeline runs and jobs with arbitrary
   per-stage params (the names each stage declares, read from GET /v1/pipelines/{name}, plus
   unknown ones): each is answered with a result or a 400 with an OpenAI-style error naming
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -26,6 +28,8 @@ from omnistage.bench.soak_traffic import IMAGE
 from omnistage.tests.api.conftest import live_server
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
+
+UNION_MEMBER = re.compile(r"\.(str|int|float|bool|list|dict)(\.|\[|$)|literal\[")
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +109,18 @@ def capped(values: dict) -> dict:
 
 
 def assert_served_or_named_400(r: httpx.Response, sent, streamed: bool, result_key: str) -> None:
+    """200 with a result (`result_key` of the JSON; a stream's last event, `[DONE]` for text and
+    `<kind>.completed` for images, with no error event) or a 400 naming the parameter."""
     assert r.status_code in (200, 400), (sent, r.status_code, r.text[:500])
     if r.status_code == 400:
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["message"] and error["param"], (sent, error)
+        assert not UNION_MEMBER.search(error["param"]), error  # a field, not pydantic's union member
     elif streamed:
-        assert r.text.rstrip().endswith("data: [DONE]"), (sent, r.text[-300:])
+        assert r.headers["content-type"].startswith("text/event-stream"), (sent, r.text[:300])
+        last = r.text.rstrip().rsplit("\n\n", 1)[-1]
+        assert last == "data: [DONE]" or '.completed"' in last, (sent, r.text[-300:])
+        assert '"error"' not in r.text, (sent, r.text[-500:])
     else:
         assert r.json()[result_key], (sent, r.text[:300])
 
@@ -152,10 +162,66 @@ image_value = st.one_of(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(st.dictionaries(st.sampled_from(IMAGE_FIELDS), image_value, min_size=1, max_size=4))
+@example({"stream": True, "partial_images": 1})
 def test_image_fields_are_served_or_refused_with_a_named_parameter(server, fields):
     body = capped({**IMAGE, "num_inference_steps": 2, **fields})
     r = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
     assert_served_or_named_400(r, fields, body.get("stream") is True, "data")
+
+
+EDIT_FIELDS = [
+    "prompt", "n", "size", "response_format", "output_format", "output_compression", "background",
+    "quality", "input_fidelity", "stream", "partial_images", "strength", "negative_prompt",
+    "num_inference_steps", "guidance_scale", "seed", "user", "unknown_field",
+]  # fmt: skip
+form_value = st.one_of(
+    st.text(max_size=12),
+    st.integers(min_value=-(2**40), max_value=2**40).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),  # a form field is text: "nan" and "inf" too
+    st.sampled_from(["64x64", "auto", "0x0", "true", "false", "url", "jpeg", "webp", "high", "0.5", ""]),
+)
+
+
+def png(width: int, height: int, mode: str = "RGB", alpha: int = 255) -> bytes:
+    import io
+
+    from PIL import Image
+
+    color = (200, 40, 40) if mode == "RGB" else (200, 40, 40, alpha)
+    out = io.BytesIO()
+    Image.new(mode, (width, height), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+upload = st.one_of(
+    st.tuples(st.integers(1, 96), st.integers(1, 96)).map(lambda wh: png(*wh)),
+    st.binary(max_size=64),  # not an image
+    st.just(png(64, 64)),
+)
+mask_upload = st.one_of(
+    st.none(),
+    st.just(png(64, 64, "RGBA", alpha=0)),  # the right size, all transparent
+    st.just(png(32, 32, "RGBA", alpha=0)),  # another size
+    st.just(png(64, 64)),  # no alpha channel
+    st.binary(max_size=32),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.dictionaries(st.sampled_from(EDIT_FIELDS), form_value, max_size=4), upload, mask_upload)
+@example({"stream": "true"}, png(64, 64), png(64, 64, "RGBA", alpha=0))
+def test_image_edit_fields_are_served_or_refused_with_a_named_parameter(server, fields, image, mask):
+    data = {"model": "tiny-image", "prompt": "a blue square", "num_inference_steps": "2", **fields}
+    steps = data["num_inference_steps"]
+    if steps.lstrip("-").isdigit() and int(steps) > 4:
+        data["num_inference_steps"] = "4"
+    if data.get("n", "").isdigit() and int(data["n"]) > 2:
+        data["n"] = "2"
+    files = {"image": ("in.png", image, "image/png")}
+    if mask is not None:
+        files["mask"] = ("mask.png", mask, "image/png")
+    r = httpx.post(f"{server.url}/v1/images/edits", data=data, files=files, timeout=120)
+    assert_served_or_named_400(r, (fields, len(image), mask is not None), data.get("stream") == "true", "data")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +279,7 @@ def test_job_params_are_refused_at_once_or_by_their_stage(server, stage_params):
     @given(pipeline_params(stage_params))
     @example(("tiny-image", {"denoiser": {"width": 66}}))  # not a multiple of the model's 4: the stage's
     @example(("tiny-image", {"vae": {"widht": 64}}))
+    @example(("tiny-image", {"text_encoder": {"": 0}}))
     def run(drawn):
         pipeline, params = drawn
         body = {"model": pipeline, "inputs": INPUTS[pipeline], "params": merged(pipeline, params)}

@@ -1,6 +1,8 @@
 """Error bodies of the app itself (no pipelines): FastAPI validation and omnistage errors as
 OpenAI-style JSON, through a real FastAPI app and HTTP client (Starlette's TestClient)."""
 
+from typing import Literal
+
 from fastapi import APIRouter
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
@@ -18,6 +20,8 @@ class Message(BaseModel):
 class ChatBody(BaseModel):
     model: str
     messages: list[Message]
+    voice: str | Literal[1, 2] | None = None
+    stop: str | list[str] | None = None
 
 
 def _app():
@@ -49,6 +53,14 @@ def test_nested_validation_error_names_the_field():
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == "messages[0].content"
+
+
+def test_a_union_fields_error_names_the_field_not_the_member_type():
+    """pydantic locates an error in `voice: str | Literal[...]` at ("body", "voice", "str")."""
+    with TestClient(_app()) as client:
+        for body, param in (({"voice": 5.5}, "voice"), ({"stop": ["a", 3]}, "stop")):
+            r = client.post("/v1/test/chat", json={"model": "m", "messages": [], **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.json()
 
 
 def test_omnistage_errors_map_by_status_and_code():

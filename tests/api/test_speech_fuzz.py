@@ -1,0 +1,48 @@
+"""POST /v1/audio/speech on tiny-omni with arbitrary values for its fields (hypothesis, the
+shared server): each is answered with audio (or an SSE stream that ends with
+`speech.audio.done` and carries no error) or a 400 invalid_request_error naming the field;
+never a 5xx."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+FIELDS = ["voice", "response_format", "speed", "stream_format", "instructions", "seed", "input", "unknown_field"]
+value = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.floats(allow_nan=False, allow_infinity=False),  # JSON has neither
+    st.text(max_size=12),
+    st.lists(st.integers(), max_size=3),
+    st.sampled_from(["Chelsie", "Ethan", "chelsie", "wav", "pcm", "mp3", "sse", "audio", 0.25, 4.0, 4.01, ""]),
+)
+
+UNION_MEMBER = re.compile(r"\.(str|int|float|bool|list|dict)(\.|\[|$)|literal\[")
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), value, min_size=1, max_size=3))
+@example({"stream_format": "sse", "response_format": "pcm"})
+@example({"voice": "Nobody"})
+@example({"voice": 5.5})  # pydantic locates it at ("voice", "str")
+def test_speech_fields_are_served_or_refused_with_a_named_parameter(omni_server, fields):
+    body = {"model": "tiny-omni", "input": "Hi.", "voice": "Chelsie", "response_format": "wav", "seed": 1, **fields}
+    if isinstance(body.get("input"), str) and len(body["input"]) > 12:
+        body["input"] = body["input"][:12]  # a valid long text is not abuse, only slow
+    r = httpx.post(f"{omni_server.url}/v1/audio/speech", json=body, timeout=300)
+    assert r.status_code in (200, 400), (fields, r.status_code, r.text[:500])
+    if r.status_code == 400:
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"] and error["param"], (fields, error)
+        assert not UNION_MEMBER.search(error["param"]), error  # a field, not pydantic's union member
+    elif body.get("stream_format") == "sse":
+        assert r.headers["content-type"].startswith("text/event-stream"), (fields, r.headers)
+        assert '"speech.audio.done"' in r.text.rstrip().rsplit("\n\n", 1)[-1], (fields, r.text[-300:])
+        assert '"error"' not in r.text, (fields, r.text[-500:])
+    else:
+        assert r.headers["content-type"].startswith("audio/") and len(r.content) > 0, (fields, r.headers)
