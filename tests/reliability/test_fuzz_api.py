@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
@@ -26,10 +25,9 @@ from hypothesis import strategies as st
 
 from omnistage.bench.soak_traffic import IMAGE
 from omnistage.tests.api.conftest import live_server
+from omnistage.tests.reliability.fuzz_values import UNION_MEMBER, anything
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
-
-UNION_MEMBER = re.compile(r"\.(str|int|float|bool|list|dict)(\.|\[|$)|literal\[")
 
 
 @pytest.fixture(scope="module")
@@ -64,15 +62,6 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     assert " passed" in report and "generated" in report, report
 
 
-anything = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**64), max_value=2**64),
-    st.floats(allow_nan=False, allow_infinity=False),  # JSON has neither
-    st.text(max_size=12),
-    st.lists(st.text(max_size=5), max_size=6),
-    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
-)
 PARAMS = [
     "temperature",
     "top_p",
