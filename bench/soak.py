@@ -107,7 +107,7 @@ def describe_fd(pid: int, target: str) -> str:
     inode = target[len("socket:[") : -1]
     for table in ("tcp", "tcp6", "udp", "unix"):
         try:
-            lines = open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
