@@ -16,6 +16,9 @@ import pytest
 
 from omnistage.bench.soak_traffic import IMAGE, JOB
 from omnistage.tests.api.conftest import live_server
+from omnistage.tests.jobs.conftest import wait_status
+
+ENDED = ("completed", "failed", "canceled")
 
 
 @pytest.fixture
@@ -42,16 +45,6 @@ def fill(path) -> None:
             assert exc.errno == errno.ENOSPC, exc
 
 
-def wait_job(client: httpx.Client, job_id: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = client.get(f"/v1/jobs/{job_id}").json()
-        if job["status"] in ("completed", "failed", "cancelled"):
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"job {job_id} not finished after {timeout}s")
-
-
 def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_fs, tmp_path_factory):
     jobs_dir = small_fs / "jobs"
     args = ["tiny-image", "--drain-timeout", "3"]  # jobs stuck on the full disk would hold the drain
@@ -59,7 +52,7 @@ def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_
         with httpx.Client(base_url=server.url, timeout=120) as client:
             first = client.post("/v1/jobs", json=JOB)
             assert first.status_code == 202, first.text
-            assert wait_job(client, first.json()["id"])["status"] == "completed"
+            assert wait_status(client, first.json()["id"], ENDED)["status"] == "completed"
             long_run = {"width": 64, "height": 64, "num_inference_steps": 1000}  # the most a request may ask
             running = client.post("/v1/jobs", json={**JOB, "params": {"denoiser": long_run}}).json()["id"]
             deadline = time.monotonic() + 120
@@ -86,7 +79,7 @@ def test_full_disk_under_the_job_store_is_a_clear_error_and_no_corruption(small_
             assert by_url.status_code == 507 and by_url.json()["error"]["code"] == "storage_full", by_url.text
             assert not [p.name for p in (jobs_dir / "images").glob("*")], "a partial image file was kept"
             assert client.get(f"/v1/jobs/{first.json()['id']}").json()["status"] == "completed"
-            ended = wait_job(client, running)
+            ended = wait_status(client, running, ENDED)
             assert ended["status"] == "failed" and ended["error"]["code"] == "storage_full", ended
             assert "storage is full" in ended["error"]["message"]
             (small_fs / "filler").unlink()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,8 @@ from hypothesis import strategies as st
 
 from omnistage.bench.soak_traffic import IMAGE
 from omnistage.tests.api.conftest import live_server
-from omnistage.tests.reliability.fuzz_values import UNION_MEMBER, anything
+from omnistage.tests.jobs.conftest import wait_status
+from omnistage.tests.reliability.fuzz_values import anything, assert_served_or_named_400, capped
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
@@ -81,45 +81,14 @@ PARAMS = [
 ]
 
 
-# A valid but large value is not abuse, only slow: capped at these.
-CAPS = {
-    "max_tokens": 64,
-    "max_completion_tokens": 64,
-    "n": 4,
-    "best_of": 4,
-    "num_inference_steps": 4,
-    "partial_images": 2,
-    "max_new_tokens": 64,
-}
-
-
-def capped(values: dict) -> dict:
-    return {k: min(v, CAPS[k]) if k in CAPS and type(v) is int else v for k, v in values.items()}
-
-
-def assert_served_or_named_400(r: httpx.Response, sent, streamed: bool, result_key: str) -> None:
-    """200 with a result (`result_key` of the JSON; a stream's last event, `[DONE]` for text and
-    `<kind>.completed` for images, with no error event) or a 400 naming the parameter."""
-    assert r.status_code in (200, 400), (sent, r.status_code, r.text[:500])
-    if r.status_code == 400:
-        error = r.json()["error"]
-        assert error["type"] == "invalid_request_error" and error["message"] and error["param"], (sent, error)
-        assert not UNION_MEMBER.search(error["param"]), error  # a field, not pydantic's union member
-    elif streamed:
-        assert r.headers["content-type"].startswith("text/event-stream"), (sent, r.text[:300])
-        last = r.text.rstrip().rsplit("\n\n", 1)[-1]
-        assert last == "data: [DONE]" or '.completed"' in last, (sent, r.text[-300:])
-        assert '"error"' not in r.text, (sent, r.text[-500:])
-    else:
-        assert r.json()[result_key], (sent, r.text[:300])
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(st.dictionaries(st.sampled_from(PARAMS), anything, min_size=1, max_size=4))
 def test_chat_params_are_served_or_refused_with_a_named_parameter(server, params):
     body = capped({"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **params})
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
-    assert_served_or_named_400(r, params, body.get("stream") is True, "choices")
+    assert_served_or_named_400(
+        r, params, streamed=body.get("stream") is True, final_event="[DONE]", result_key="choices"
+    )
 
 
 COMPLETION_FIELDS = [
@@ -134,7 +103,9 @@ COMPLETION_FIELDS = [
 def test_completion_fields_are_served_or_refused_with_a_named_parameter(server, fields):
     body = capped({"model": "tiny-llm", "prompt": "once upon", "max_tokens": 4, **fields})
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
-    assert_served_or_named_400(r, fields, body.get("stream") is True, "choices")
+    assert_served_or_named_400(
+        r, fields, streamed=body.get("stream") is True, final_event="[DONE]", result_key="choices"
+    )
 
 
 IMAGE_FIELDS = [
@@ -155,7 +126,10 @@ image_value = st.one_of(
 def test_image_fields_are_served_or_refused_with_a_named_parameter(server, fields):
     body = capped({**IMAGE, "num_inference_steps": 2, **fields})
     r = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
-    assert_served_or_named_400(r, fields, body.get("stream") is True, "data")
+    streamed = body.get("stream") is True
+    assert_served_or_named_400(
+        r, fields, streamed=streamed, final_event="image_generation.completed", result_key="data"
+    )
 
 
 EDIT_FIELDS = [
@@ -200,17 +174,15 @@ mask_upload = st.one_of(
 @given(st.dictionaries(st.sampled_from(EDIT_FIELDS), form_value, max_size=4), upload, mask_upload)
 @example({"stream": "true"}, png(64, 64), png(64, 64, "RGBA", alpha=0))
 def test_image_edit_fields_are_served_or_refused_with_a_named_parameter(server, fields, image, mask):
-    data = {"model": "tiny-image", "prompt": "a blue square", "num_inference_steps": "2", **fields}
-    steps = data["num_inference_steps"]
-    if steps.lstrip("-").isdigit() and int(steps) > 4:
-        data["num_inference_steps"] = "4"
-    if data.get("n", "").isdigit() and int(data["n"]) > 2:
-        data["n"] = "2"
+    data = capped({"model": "tiny-image", "prompt": "a blue square", "num_inference_steps": "2", **fields})
     files = {"image": ("in.png", image, "image/png")}
     if mask is not None:
         files["mask"] = ("mask.png", mask, "image/png")
     r = httpx.post(f"{server.url}/v1/images/edits", data=data, files=files, timeout=120)
-    assert_served_or_named_400(r, (fields, len(image), mask is not None), data.get("stream") == "true", "data")
+    sent = (fields, len(image), mask is not None)
+    assert_served_or_named_400(
+        r, sent, streamed=data.get("stream") == "true", final_event="image_edit.completed", result_key="data"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +230,7 @@ def test_pipeline_params_are_served_or_refused_with_a_named_parameter(server, st
         pipeline, params = drawn
         body = {"inputs": INPUTS[pipeline], "params": merged(pipeline, params)}
         r = httpx.post(f"{server.url}/v1/pipelines/{pipeline}/run", json=body, timeout=120)
-        assert_served_or_named_400(r, params, False, "outputs")
+        assert_served_or_named_400(r, params, streamed=False, result_key="outputs")
 
     run()
 
@@ -278,14 +250,8 @@ def test_job_params_are_refused_at_once_or_by_their_stage(server, stage_params):
             error = r.json()["error"]
             assert error["type"] == "invalid_request_error" and error["param"], (params, error)
             return
-        job_id = r.json()["id"]
-        deadline = time.monotonic() + 120
-        while (job := httpx.get(f"{server.url}/v1/jobs/{job_id}", timeout=30).json())["status"] in (
-            "queued",
-            "in_progress",
-        ):
-            assert time.monotonic() < deadline, job
-            time.sleep(0.05)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            job = wait_status(client, r.json()["id"], ("completed", "failed", "canceled"))
         # what only the stage knows (its model's size range, its max_inference_steps) fails
         # the job when it runs, with the stage's own 400 error
         if job["status"] != "completed":
