@@ -75,7 +75,7 @@ def check_params(spec: Any, params: Mapping[str, Any]) -> None:
     InvalidRequestError naming the key. The stage checks again with what only it knows (an
     instance's narrower set, its model's limits); this part any process can answer at once,
     so a job with bad params is refused when it is submitted instead of failing later."""
-    from omnistage.stages.params import kind_params
+    from omnistage.stages.registry import get_stage_class
 
     bad = set(params) - set(spec.stages)
     if bad:
@@ -93,7 +93,7 @@ def check_params(spec: Any, params: Mapping[str, Any]) -> None:
                 f"params for stage {stage!r}: every parameter name must be a non-empty string", param=f"params.{stage}"
             )
         try:
-            declared = kind_params(spec.stages[stage].kind).request
+            declared = get_stage_class(spec.stages[stage].kind).request_params
         except KeyError:  # a kind registered only in the workers (a built object): they check
             continue
         try:
