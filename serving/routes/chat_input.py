@@ -17,10 +17,7 @@ from typing import Any
 from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
 from omnistage.serving.routes.chat_video import video_bytes
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid
-
-MAX_IMAGE_PIXELS = 1 << 26  # 64 Mpx (8192 x 8192): decoded RGB stays under 200 MB
-AUDIO_RATE_RANGE = (4_000, 384_000)  # Hz: telephone audio to studio audio
-MAX_AUDIO_SECONDS = 20 * 60
+from omnistage.stages.media_limits import MAX_AUDIO_SECONDS, check_audio_size, check_image_size
 
 
 def decode_base64(data: str, param: str) -> bytes:
@@ -41,12 +38,7 @@ def _image_bytes(part: ImagePart, param: str) -> bytes:
 
     try:
         with Image.open(io.BytesIO(data)) as img:  # reads the header only: the size is known before any pixel
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise invalid(
-                    f"{param} is {img.width}x{img.height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels",
-                    param,
-                    code="image_too_large",
-                )
+            check_image_size(img.width, img.height, param)
             img.verify()
     except Image.DecompressionBombError as exc:  # a size so large Pillow refuses to open it
         raise invalid(f"{param} declares too many pixels: {exc}", param, code="image_too_large") from exc
@@ -69,20 +61,8 @@ def _audio_bytes(part: AudioPart, param: str) -> bytes:
                 f"{param}.data is not decodable {part.input_audio.format} audio", f"{param}.data", code="invalid_audio"
             ) from exc
         rate, seconds = found
-    _check_audio_size(rate, seconds, f"{param}.data")
+    check_audio_size(rate, seconds, f"{param}.data")
     return data
-
-
-def _check_audio_size(rate: int, seconds: float, param: str) -> None:
-    """Refuse what would cost memory out of proportion to the body: resampling a 1 Hz file to
-    16 kHz multiplies its samples by 16,000; an hour of audio decodes to ~230 MB."""
-    low, high = AUDIO_RATE_RANGE
-    if not low <= rate <= high:
-        message = f"{param} has a sample rate of {rate} Hz; audio input must be sampled at {low}-{high} Hz"
-        raise invalid(message, param, code="invalid_sample_rate")
-    if seconds > MAX_AUDIO_SECONDS:
-        message = f"{param} lasts {seconds:.0f} s; audio input may last at most {MAX_AUDIO_SECONDS} s"
-        raise invalid(message, param, code="audio_too_long")
 
 
 def _pyav_rate_and_seconds(data: bytes) -> tuple[int, float] | None:

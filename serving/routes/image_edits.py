@@ -22,7 +22,6 @@ from fastapi import APIRouter, Form, Request, UploadFile
 from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.errors import InvalidRequestError
-from omnistage.serving.routes.chat_input import MAX_IMAGE_PIXELS
 from omnistage.serving.routes.images import (
     MAX_IMAGES,
     MAX_PARTIAL_IMAGES,
@@ -35,6 +34,7 @@ from omnistage.serving.routes.images import (
     run_images,
 )
 from omnistage.serving.routes.served import UnsupportedError, invalid, served_pipeline
+from omnistage.stages.media_limits import check_image_size
 
 router = APIRouter(tags=["openai"])
 
@@ -77,19 +77,16 @@ async def _pixels(upload: UploadFile, param: str = "image", mode: str = "RGB") -
     raw = await upload.read()
     try:
         with Image.open(io.BytesIO(raw)) as img:
-            too_large = img.width * img.height > MAX_IMAGE_PIXELS  # from the header, before any pixel
-            if not too_large:
-                if mode == "A" and not img.has_transparency_data:
-                    raise invalid(
-                        f"{param} has no alpha channel; transparent pixels mark what to edit", param, "invalid_mask"
-                    )
-                return np.asarray(img.convert("RGBA").getchannel("A") if mode == "A" else img.convert(mode))
+            check_image_size(img.width, img.height, param)  # from the header, before any pixel
+            if mode == "A" and not img.has_transparency_data:
+                raise invalid(
+                    f"{param} has no alpha channel; transparent pixels mark what to edit", param, "invalid_mask"
+                )
+            return np.asarray(img.convert("RGBA").getchannel("A") if mode == "A" else img.convert(mode))
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
         raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
-    message = f"{param} is {img.width}x{img.height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels"
-    raise invalid(message, param, code="image_too_large")
 
 
 async def _with_mask(pixels: np.ndarray, mask: UploadFile) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.media_limits import MAX_AUDIO_BYTES, check_audio_size, read_bounded
 
 # The system prompt Qwen2.5-Omni was trained with for spoken answers (the model card: other
 # system prompts may leave the talker without a usable voice).
@@ -43,12 +44,15 @@ def audio_output_length(num_frames: int) -> int:
 
 
 def decode_audio(data: bytes | str | Path, target_rate: int) -> np.ndarray:
-    """Mono float32 samples at `target_rate` from an encoded file (bytes or a path)."""
-    raw = data if isinstance(data, bytes) else Path(data).read_bytes()
+    """Mono float32 samples at `target_rate` from an encoded file (bytes or a path), within the
+    rate and length bounds of stages/media_limits.py."""
+    raw = data if isinstance(data, bytes) else read_bounded(data, MAX_AUDIO_BYTES, "audio")
     if not raw:
         raise InvalidRequestError("the audio input is empty", param="audio")
     try:
         samples, rate = _decode_soundfile(raw)
+    except InvalidRequestError:
+        raise
     except Exception:  # noqa: BLE001 - not a format libsndfile knows: try FFmpeg's decoders
         samples, rate = _decode_pyav(raw)
     return resample(samples, rate, target_rate)
@@ -57,6 +61,8 @@ def decode_audio(data: bytes | str | Path, target_rate: int) -> np.ndarray:
 def _decode_soundfile(raw: bytes) -> tuple[np.ndarray, int]:
     import soundfile
 
+    info = soundfile.info(io.BytesIO(raw))  # the header: refuse before decoding
+    check_audio_size(info.samplerate, info.duration, "audio")
     samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
     return samples.mean(axis=1), int(rate)
 
@@ -70,9 +76,12 @@ def _decode_pyav(raw: bytes) -> tuple[np.ndarray, int]:
                 raise InvalidRequestError("the input has no audio stream", param="audio")
             stream = container.streams.audio[0]
             rate = stream.codec_context.sample_rate
+            check_audio_size(rate, 0.0, "audio")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-            chunks = []
+            chunks, samples = [], 0
             for frame in container.decode(stream):
+                samples += frame.samples
+                check_audio_size(rate, samples / rate, "audio")
                 for out in resampler.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
             for out in resampler.resample(None):
@@ -93,6 +102,7 @@ def resample(samples: np.ndarray | torch.Tensor, rate: int, target_rate: int) ->
         raise InvalidRequestError("audio samples must be mono (1-D)", param="audio")
     if x.numel() == 0:
         raise InvalidRequestError("the audio input is empty", param="audio")
+    check_audio_size(rate, x.numel() / rate if rate > 0 else 0.0, "audio")
     if rate != target_rate:
         import torchaudio.functional as AF
 

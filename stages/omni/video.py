@@ -13,14 +13,16 @@ transformers' Qwen2-VL video processor needs torchvision, which this project doe
 - patches cut as the video processor's `patchify` cuts them: frames grouped in pairs along
   time (the last frame repeated to fill a pair), each patch row holding
   [channel, time, patch_y, patch_x] for one merged-patch position.
+Encoded videos decode within the bounds of stages/media_limits.py (frame size and count,
+duration, bytes of RGB), whichever way they arrive.
 tests/omni/test_video.py checks the resize, normalisation and patch layout against
 transformers' PIL image processor on the frames (a still image is a video of two equal frames).
 """
 
 from __future__ import annotations
 
-import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.media_limits import VIDEO_LIMITS, check_video, decode_video, read_bounded
 
 VIDEO_FPS = 2.0
 VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -47,40 +50,30 @@ class VideoPatches:
     second_per_grid: float  # seconds one temporal patch covers
 
 
-def load_frames(value: Any) -> tuple[np.ndarray, float]:
+def load_frames(value: Any, pick: Callable[[int, float], np.ndarray] | None = None) -> tuple[np.ndarray, float]:
     """[N, H, W, 3] uint8 frames and their rate from encoded bytes, a path, or
-    {"frames": [N, H, W, 3] uint8, "fps": rate}."""
+    {"frames": [N, H, W, 3] uint8, "fps": rate}. With `pick` (total, rate -> indices) only those
+    frames are returned; an encoded video is then counted first and decoded keeping only them."""
     if isinstance(value, dict):
         if "frames" not in value or "fps" not in value:
             raise InvalidRequestError("raw video needs 'frames' and 'fps'", param="videos")
         frames = np.asarray(value["frames"])
         if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
             raise InvalidRequestError("video frames must be a non-empty [N, H, W, 3] array", param="videos")
-        return frames.astype(np.uint8, copy=False), float(value["fps"])
+        rate = float(value["fps"])
+        if pick is not None:
+            frames = frames[pick(len(frames), rate)]
+        return frames.astype(np.uint8, copy=False), rate
     if isinstance(value, (str, Path)):
-        value = Path(value).read_bytes()
+        value = read_bounded(value, VIDEO_LIMITS.max_bytes, "videos")
     if not isinstance(value, (bytes, bytearray)):
         raise InvalidRequestError("a video must be encoded bytes, a path or {frames, fps}", param="videos")
-    return _decode(bytes(value))
-
-
-def _decode(raw: bytes) -> tuple[np.ndarray, float]:
-    import av
-
-    try:
-        with av.open(io.BytesIO(raw)) as container:
-            if not container.streams.video:
-                raise InvalidRequestError("the input has no video stream", param="videos")
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - undecodable input is the request's fault
-        raise InvalidRequestError(f"could not decode the video ({exc.__class__.__name__})", param="videos") from None
-    if not frames or not rate:
-        raise InvalidRequestError("the video has no frames", param="videos")
-    return np.stack(frames), float(rate)
+    keep = None
+    if pick is not None:
+        probe = check_video(bytes(value), "videos")
+        keep = {int(i) for i in pick(probe.frames, probe.rate)}
+    frames, probe = decode_video(bytes(value), "videos", keep=keep)
+    return np.stack(frames), probe.rate
 
 
 def sample_indices(total: int, video_fps: float, fps: float, temporal_patch_size: int) -> np.ndarray:
@@ -119,8 +112,7 @@ class VideoPatcher:
         from PIL import Image
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-        frames, rate = load_frames(value)
-        frames = frames[sample_indices(len(frames), rate, self.fps, self.tps)]
+        frames, _ = load_frames(value, lambda total, rate: sample_indices(total, rate, self.fps, self.tps))
         height, width = frames.shape[1:3]
         try:
             rh, rw = smart_resize(height, width, self.patch * self.merge, self.min_pixels, self.max_pixels)

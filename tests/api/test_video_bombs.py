@@ -6,46 +6,18 @@ stays bounded."""
 
 from __future__ import annotations
 
-import io
-from fractions import Fraction
-from pathlib import Path
-
-import av
 import numpy as np
 import openai
 import pytest
 
-from omnistage.serving.routes.chat_video import VideoLimits, check_video
+from omnistage.stages.media_limits import VideoLimits, check_video
+from omnistage.tests.reliability.media_bombs import peak_rss, repeated_mp4
 
 from .test_chat_video import VIDEO, encode_mp4, video_message
 
 
-def repeated_mp4(height: int, width: int, n: int, fps: int) -> bytes:
-    """A fragmented H.264 MP4 (no frame count or duration in its header) of `n` black frames,
-    encoded once: frame 0's keyframe, then frame 1's empty P-frame muxed n - 1 times."""
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4", options={"movflags": "frag_keyframe+empty_moov"}) as container:
-        stream = container.add_stream("libx264", rate=fps, options={"preset": "ultrafast"})
-        stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
-        black = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), np.uint8), format="rgb24")
-        coded = []
-        for i in range(2):
-            black.pts = i
-            coded += [bytes(p) for p in stream.encode(black)]
-        coded += [bytes(p) for p in stream.encode()]
-        for i in range(n):
-            packet = av.Packet(coded[min(i, 1)])
-            packet.stream, packet.pts, packet.dts = stream, i, i
-            packet.time_base, packet.is_keyframe = Fraction(1, fps), i == 0
-            container.mux(packet)
-    return out.getvalue()
-
-
-def _peak_rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+def _server_peak(pid: int) -> int:
+    return peak_rss(pid)[pid]
 
 
 BOMBS = {
@@ -73,13 +45,13 @@ def test_mp4_bombs_are_refused_and_the_server_stays_healthy(omni, omni_server, n
     make, status, code = BOMBS[name]
     raw = make()
     assert len(raw) < 2 << 20, len(raw)  # small on the wire
-    before = _peak_rss_kb(omni_server.proc.pid)
+    before = _server_peak(omni_server.proc.pid)
     with pytest.raises(openai.APIStatusError) as info:
         omni.chat.completions.create(model="tiny-omni", messages=video_message(raw), max_tokens=2)
     assert info.value.status_code == status
     assert info.value.body["code"] == code, info.value.body
     assert info.value.body["param"] == "messages[0].content[0].video_url"
-    growth_mb = (_peak_rss_kb(omni_server.proc.pid) - before) / 1024
+    growth_mb = (_server_peak(omni_server.proc.pid) - before) / (1 << 20)
     assert growth_mb < 300, f"peak RSS grew {growth_mb:.0f} MB while refusing the {name} bomb"
     ok = omni.chat.completions.create(model="tiny-omni", messages=video_message(VIDEO), max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")

@@ -239,3 +239,51 @@ def test_mp4_with_its_sound_through_the_pipeline_equals_transformers(omni_pipeli
     params["thinker"].update(max_tokens=10, use_audio_in_video=True)
     out = omni_pipeline.run({"messages": messages, "videos": [str(path)], "audio": [raw]}, params, timeout=120)
     assert out["text"] == AutoTokenizer.from_pretrained(str(omni_dir)).decode(tokens, skip_special_tokens=True)
+
+
+MEDIA_PARTS = {"audio": "audio", "images": "image", "videos": "video"}
+
+
+def _one_media_request(port: str, value) -> dict:
+    parts = [{"type": MEDIA_PARTS[port]}, {"type": "text", "text": "What is this?"}]
+    return {"messages": [{"role": "user", "content": parts}], port: [value]}
+
+
+def test_media_bombs_given_to_the_pipeline_are_refused_before_they_cost_memory(omni_pipeline, tmp_path):
+    """The chat route checks media before an answer starts; media given to the pipeline itself
+    (the Python API, a path, raw samples) meet the same bounds in the stages that decode them:
+    each is refused naming its port and the workers' peak memory hardly moves (the video
+    below is 1.1 GiB as RGB, the image 300 MB)."""
+    from omnistage.errors import InvalidRequestError
+    from omnistage.tests.reliability.media_bombs import flac_silence, peak_rss, png_declaring, repeated_mp4, wav
+
+    from .test_video import _frames, _mp4
+    from .test_vision import _image, _png
+
+    small_video = _mp4(np.repeat(np.repeat(_frames(4, 14, 21, 4), 4, axis=1), 4, axis=2), 4, _clip(1.0, 8))
+    params = _params(False, max_tokens=2)
+    ok = {"audio": wav(16_000, 8_000), "images": _png(_image(28, 28, 0)), "videos": small_video}
+    for port, value in ok.items():  # warm every decoder up, so its first use is not counted below
+        assert omni_pipeline.run(_one_media_request(port, value), params, timeout=120)["text"] is not None
+    endless = tmp_path / "sparse.mp4"
+    with endless.open("wb") as f:
+        f.truncate(65 << 20)  # a sparse file past the 64 MiB a video may have
+    cases = [
+        ("videos", repeated_mp4(1080, 1920, 180, 24), "video_too_large"),
+        ("videos", repeated_mp4(16, 16, 7300, 30), "video_too_many_frames"),
+        ("videos", str(endless), "input_too_large"),
+        ("images", png_declaring(10_000, 10_000), "image_too_large"),
+        ("images", png_declaring(50_000, 50_000), "image_too_large"),
+        ("audio", wav(1, 16_000), "invalid_sample_rate"),
+        ("audio", {"samples": np.zeros(16_000, np.float32), "sampling_rate": 1}, "invalid_sample_rate"),
+        ("audio", flac_silence(4000, 21 * 60), "audio_too_long"),
+    ]
+    workers = [pid for pids in omni_pipeline.worker_pids().values() for pid in pids if pid is not None]
+    before = {pid: peak_rss(pid)[pid] for pid in workers}
+    for port, value, code in cases:
+        with pytest.raises(InvalidRequestError) as info:
+            omni_pipeline.run(_one_media_request(port, value), params, timeout=120)
+        assert (info.value.code, info.value.param) == (code, port), str(info.value)
+    growth = {pid: (peak_rss(pid)[pid] - before[pid]) >> 20 for pid in workers}
+    assert max(growth.values()) < 64, f"peak RSS growth per worker (MiB): {growth}"
+    assert omni_pipeline.run(_one_media_request("videos", small_video), params, timeout=120)["text"] is not None

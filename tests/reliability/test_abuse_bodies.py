@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
-import zlib
-from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-import soundfile
 from PIL import Image
 
 from omnistage.tests.api.conftest import live_server
+from omnistage.tests.reliability.media_bombs import flac_silence, peak_rss, png_declaring, wav, webp_declaring
 
 MB = 1 << 20
 PEAK_GROWTH_LIMIT = 64 * MB  # the smallest refused input below decodes to ~300 MB
@@ -36,71 +32,6 @@ def server(tmp_path_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
-
-
-def _tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def _peaks(root: int) -> dict[int, int]:
-    """Peak RSS in bytes of each process of the tree (VmHWM: never goes down)."""
-    peaks = {}
-    for pid in _tree(root):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                peaks[pid] = int(line.split()[1]) * 1024
-    return peaks
-
-
-def _png_declaring(width: int, height: int) -> bytes:
-    """A valid PNG header for width x height RGB over one compressed row: a few hundred bytes."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    row = zlib.compress(b"\x00" * (1 + width * 3), 9)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", row) + chunk(b"IEND", b"")
-
-
-def _webp_declaring(width: int, height: int) -> bytes:
-    """A lossless WebP of one colour, its header rewritten to width x height (~44 bytes):
-    every pixel of a one-colour VP8L image decodes from zero bits, so it stays valid."""
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 64), (10, 20, 30)).save(buf, "WEBP", lossless=True)
-    data = bytearray(buf.getvalue())
-    assert data[12:16] == b"VP8L"
-    bits = int.from_bytes(data[21:25], "little") & ~((1 << 28) - 1)
-    data[21:25] = (bits | (width - 1) | ((height - 1) << 14)).to_bytes(4, "little")
-    return bytes(data)
-
-
-def _wav(rate: int, samples: int) -> bytes:
-    buf = io.BytesIO()
-    soundfile.write(buf, np.zeros(samples, dtype=np.float32), rate, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
-
-
-def _flac_silence(rate: int, seconds: int) -> bytes:
-    buf = io.BytesIO()
-    soundfile.write(buf, np.zeros(rate * seconds, dtype=np.int16), rate, format="FLAC")
-    return buf.getvalue()
 
 
 def _chat_with(part: dict) -> dict:
@@ -160,26 +91,26 @@ def test_decompression_bombs_and_absurd_audio_are_refused_before_they_cost_memor
     Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, "PNG")
     small = _image(buf.getvalue(), "png")
     assert http.post("/v1/chat/completions", json=_chat_with(small)).status_code == 200
-    assert http.post("/v1/chat/completions", json=_chat_with(_audio(_wav(16000, 1600), "wav"))).status_code == 200
-    before = _peaks(server.proc.pid)
+    assert http.post("/v1/chat/completions", json=_chat_with(_audio(wav(16000, 1600), "wav"))).status_code == 200
+    before = peak_rss(server.proc.pid)
     image_param = "messages[0].content[1].image_url"
     audio_param = "messages[0].content[1].input_audio.data"
     cases = [
-        (_image(_png_declaring(50_000, 50_000), "png"), "image_too_large", image_param),
-        (_image(_png_declaring(10_000, 10_000), "png"), "image_too_large", image_param),
-        (_image(_webp_declaring(10_000, 10_000), "webp"), "image_too_large", image_param),
-        (_audio(_wav(1, 16_000), "wav"), "invalid_sample_rate", audio_param),
-        (_audio(_wav(10_000_000, 16_000), "wav"), "invalid_sample_rate", audio_param),
-        (_audio(_flac_silence(4000, 21 * 60), "flac"), "audio_too_long", audio_param),
+        (_image(png_declaring(50_000, 50_000), "png"), "image_too_large", image_param),
+        (_image(png_declaring(10_000, 10_000), "png"), "image_too_large", image_param),
+        (_image(webp_declaring(10_000, 10_000), "webp"), "image_too_large", image_param),
+        (_audio(wav(1, 16_000), "wav"), "invalid_sample_rate", audio_param),
+        (_audio(wav(10_000_000, 16_000), "wav"), "invalid_sample_rate", audio_param),
+        (_audio(flac_silence(4000, 21 * 60), "flac"), "audio_too_long", audio_param),
     ]
     for part, code, param in cases:
         body = _chat_with(part)
         assert len(httpx.Request("POST", "/", json=body).content) < 1 * MB  # inside the body limit
         _refused(http.post("/v1/chat/completions", json=body), 400, code, param)
-    upload = {"image": ("bomb.webp", _webp_declaring(10_000, 10_000), "image/webp")}
+    upload = {"image": ("bomb.webp", webp_declaring(10_000, 10_000), "image/webp")}
     response = http.post("/v1/images/edits", data={"model": "tiny-image", "prompt": "a cat"}, files=upload)
     _refused(response, 400, "image_too_large", "image")
-    after = _peaks(server.proc.pid)
+    after = peak_rss(server.proc.pid)
     growth = {pid: after[pid] - before[pid] for pid in before if pid in after}
     assert max(growth.values()) < PEAK_GROWTH_LIMIT, {pid: g // MB for pid, g in growth.items()}
     assert http.get("/health").status_code == 200
