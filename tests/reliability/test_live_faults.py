@@ -139,3 +139,25 @@ def test_leaving_a_chat_stream_early_aborts_it_and_frees_its_kv_blocks(server):
     assert metric(server, "omnistage_stage_requests_total", **aborted) == aborted_before + 3, ended_ok
     assert metric(server, "omnistage_stage_inflight_requests", **labels) == 0
     print(f"KV blocks free again {max(freed_after) * 1000:.0f} ms (worst of 3) after the client left")
+
+
+def test_leaving_an_image_request_early_aborts_it_and_frees_its_denoise_slot(server):
+    labels = {"pipeline": "tiny-image", "stage": "denoiser"}
+    assert metric(server, "omnistage_engine_requests", **labels) == 0
+    aborted_before = metric(server, "omnistage_engine_aborted", **labels)
+    steps_before = metric(server, "omnistage_engine_request_steps_total", **labels)
+    # 1,000 steps take many seconds here: the client gives up a second in, mid-denoise
+    body = {"model": "tiny-image", "prompt": "a red fox", "num_inference_steps": 1000, "seed": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=httpx.Timeout(10, read=1.0))
+    left = time.monotonic()  # the connection is closed: the server aborts the request
+    assert metric(server, "omnistage_engine_requests", **labels) <= 1
+    while metric(server, "omnistage_engine_requests", **labels) > 0:
+        assert time.monotonic() - left < 30, "the denoiser still holds the request 30 s after the client left"
+        time.sleep(0.02)
+    freed_after = time.monotonic() - left
+    steps = metric(server, "omnistage_engine_request_steps_total", **labels) - steps_before
+    assert 0 < steps < 1000, f"{steps} steps: the request never started or ran to its end"
+    assert metric(server, "omnistage_engine_aborted", **labels) == aborted_before + 1
+    assert metric(server, "omnistage_stage_inflight_requests", **labels) == 0
+    print(f"denoise slot free {freed_after * 1000:.0f} ms after the client left ({steps:.0f} of 1000 steps run)")
