@@ -93,7 +93,7 @@ def _is_union_member_tag(part: str) -> bool:
     return part in _UNION_MEMBER_TAGS or part[:1].isupper() or any(c in part for c in "[]-'(), ")
 
 
-def _loc_to_param(loc: tuple | list) -> str | None:
+def loc_to_param(loc: tuple | list) -> str | None:
     """("body", "messages", 0, "role") -> "messages[0].role"; ("body", "voice", "str") -> "voice"."""
     parts = [p for p in loc if p not in ("body", "query", "path", "header", "cookie")]
     parts = [p for p in parts if not (isinstance(p, str) and _is_union_member_tag(p))]
@@ -107,7 +107,7 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     # OpenAI answers malformed requests with 400 invalid_request_error naming the parameter.
     errors = exc.errors()
     first = errors[0] if errors else {}
-    param = _loc_to_param(first.get("loc", ()))
+    param = loc_to_param(first.get("loc", ()))
     msg = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error")

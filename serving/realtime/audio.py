@@ -48,7 +48,7 @@ class AudioFormat:
         rate = value.get("rate") if kind == "audio/pcm" else None
         if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int)):
             raise ValueError("audio format rate must be an integer (Hz)")
-        return cls(kind, rate or (SESSION_RATE if kind == "audio/pcm" else G711_RATE))
+        return cls(kind, rate if rate is not None else (SESSION_RATE if kind == "audio/pcm" else G711_RATE))
 
     def as_dict(self) -> dict:
         return {"type": self.type, "rate": self.rate} if self.type == "audio/pcm" else {"type": self.type}

@@ -15,9 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omnistage.serving.realtime.audio import AudioFormat
+from omnistage.serving.realtime.events import first_problem
 from omnistage.serving.realtime.vad import VadSettings
 
 Modality = Literal["text", "audio"]
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
 
 
 class ConfigError(ValueError):
@@ -50,7 +52,7 @@ class AudioInputIn(_Strict):
 
 class AudioOutputIn(_Strict):
     format: Any = None
-    voice: str | None = None
+    voice: str | None = Field(default=None, min_length=1)
     speed: float | None = Field(default=None, gt=0)
 
 
@@ -64,7 +66,7 @@ class SessionIn(_Strict):
 
     type: Literal["realtime"] | None = None
     model: str | None = None
-    output_modalities: list[Modality] | None = None
+    output_modalities: list[Modality] | None = Field(default=None, min_length=1)
     instructions: str | None = None
     audio: AudioIn | None = None
     max_output_tokens: int | Literal["inf"] | None = None
@@ -75,8 +77,8 @@ class SessionIn(_Strict):
     include: list[str] | None = None
     prompt: Any = None
     # beta
-    modalities: list[Modality] | None = None
-    voice: str | None = None
+    modalities: list[Modality] | None = Field(default=None, min_length=1)
+    voice: str | None = Field(default=None, min_length=1)
     input_audio_format: str | None = None
     output_audio_format: str | None = None
     turn_detection: TurnDetectionIn | None = None
@@ -84,7 +86,7 @@ class SessionIn(_Strict):
     max_response_output_tokens: int | Literal["inf"] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     # omnistage's extension: a seeded session answers reproducibly (every stage's sampling and noise)
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,9 @@ class TurnDetection:
             "interrupt_response": self.interrupt_response,
         }
 
-    def updated(self, new: TurnDetectionIn) -> TurnDetection:
+    def updated(self, new: TurnDetectionIn, param: str) -> TurnDetection:
         if new.type != "server_vad":
-            raise ConfigError("only server_vad turn detection is supported", "session.audio.input.turn_detection.type")
+            raise ConfigError("only server_vad turn detection is supported", f"{param}.type")
         vad = VadSettings(
             threshold=self.vad.threshold if new.threshold is None else new.threshold,
             prefix_padding_ms=self.vad.prefix_padding_ms if new.prefix_padding_ms is None else new.prefix_padding_ms,
@@ -172,21 +174,23 @@ class SessionConfig:
         try:
             new = SessionIn.model_validate(payload)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in ("session", *first["loc"]))
-            raise ConfigError(f"{where}: {first['msg']}", where) from None
+            param, message = first_problem(exc, "session")
+            raise ConfigError(message, param) from None
         if new.tools:
             raise ConfigError("tools (function calling) are not supported", "session.tools")
         changes: dict[str, Any] = {}
-        modalities = new.output_modalities or new.modalities
+        modalities = new.output_modalities or new.modalities  # neither can be empty
         if modalities is not None:
             changes["output_modalities"] = _modalities(modalities)
         if new.instructions is not None:
             changes["instructions"] = new.instructions
-        limit = new.max_output_tokens if new.max_output_tokens is not None else new.max_response_output_tokens
+        param, limit = first_given(
+            ("session.max_output_tokens", new.max_output_tokens),
+            ("session.max_response_output_tokens", new.max_response_output_tokens),
+        )
         if limit is not None:
             if limit != "inf" and limit < 1:
-                raise ConfigError("max_output_tokens must be >= 1 or 'inf'", "session.max_output_tokens")
+                raise ConfigError(f"{param} must be >= 1 or 'inf'", param)
             changes["max_output_tokens"] = None if limit == "inf" else limit
         for key in ("temperature", "seed"):
             if getattr(new, key) is not None:
@@ -198,32 +202,39 @@ class SessionConfig:
         changes: dict[str, Any] = {}
         audio_in = new.audio.input if new.audio else None
         audio_out = new.audio.output if new.audio else None
-        for key, ga, beta in (
-            ("input_format", audio_in.format if audio_in else None, new.input_audio_format),
-            ("output_format", audio_out.format if audio_out else None, new.output_audio_format),
+        for side, ga, beta in (
+            ("input", audio_in.format if audio_in else None, new.input_audio_format),
+            ("output", audio_out.format if audio_out else None, new.output_audio_format),
         ):
-            value = ga if ga is not None else beta
+            param, value = first_given((f"session.audio.{side}.format", ga), (f"session.{side}_audio_format", beta))
             if value is not None:
-                param = f"session.audio.{key.split('_')[0]}.format"
                 try:
-                    changes[key] = AudioFormat.parse(value)
+                    changes[f"{side}_format"] = AudioFormat.parse(value)
                 except ValueError as exc:
                     raise ConfigError(str(exc), param) from None
-        voice = (audio_out.voice if audio_out else None) or new.voice
+        voice = (audio_out.voice if audio_out else None) or new.voice  # neither can be ""
         if voice is not None:
             changes["voice"] = voice
+        # null (sent) turns server VAD off; absent leaves it as it is
         if audio_in is not None and "turn_detection" in audio_in.model_fields_set:
-            given, detection = True, audio_in.turn_detection
+            param, detection = "session.audio.input.turn_detection", audio_in.turn_detection
+        elif "turn_detection" in new.model_fields_set:
+            param, detection = "session.turn_detection", new.turn_detection
         else:
-            given, detection = "turn_detection" in new.model_fields_set, new.turn_detection
-        if given:
-            base = self.turn_detection or TurnDetection()
-            changes["turn_detection"] = None if detection is None else base.updated(detection)
+            return changes
+        base = self.turn_detection or TurnDetection()
+        changes["turn_detection"] = None if detection is None else base.updated(detection, param)
         return changes
+
+
+def first_given(*named: tuple[str, Any]) -> tuple[str, Any]:
+    """The first (param, value) whose value was sent: a field's GA name comes before its beta one."""
+    for param, value in named:
+        if value is not None:
+            return param, value
+    return named[0][0], None
 
 
 def _modalities(values: list[str]) -> tuple[str, ...]:
     """GA asks for ["audio"] or ["text"]; beta's ["text", "audio"] means audio (with its transcript)."""
-    if not values:
-        raise ConfigError("output_modalities must not be empty", "session.output_modalities")
     return ("audio",) if "audio" in values else ("text",)

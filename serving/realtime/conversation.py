@@ -19,6 +19,7 @@ from omnistage.serving.realtime.events import ProtocolError, new_id
 
 USER_PARTS = {"input_text", "input_audio", "text"}
 ASSISTANT_PARTS = {"output_text", "output_audio", "text", "audio"}
+ROLE_PARTS = {"user": USER_PARTS, "system": {"input_text", "text"}, "assistant": ASSISTANT_PARTS}
 
 
 @dataclass
@@ -64,31 +65,37 @@ class Item:
         return "".join((p.text if p.type.endswith("_text") else p.transcript) or "" for p in self.content)
 
 
-def item_from_client(data: dict[str, Any], input_format: AudioFormat) -> Item:
-    """A `conversation.item.create` item: a message from the user, the assistant or the system."""
+def item_from_client(data: dict[str, Any], input_format: AudioFormat, where: str = "item") -> Item:
+    """A `conversation.item.create` item (or a `response.input` entry, at `where`): a message
+    from the user, the assistant or the system."""
     if data.get("type", "message") != "message":
-        raise ProtocolError(f"items of type {data.get('type')!r} are not supported", "unsupported_value", "item.type")
+        raise ProtocolError(
+            f"items of type {data.get('type')!r} are not supported", "unsupported_value", f"{where}.type"
+        )
     role = data.get("role")
-    allowed = {"user": USER_PARTS, "system": {"input_text", "text"}, "assistant": ASSISTANT_PARTS}.get(role)
+    allowed = ROLE_PARTS.get(role) if isinstance(role, str) else None  # a list or object is no role either
     if allowed is None:
-        raise ProtocolError("item.role must be user, assistant or system", "invalid_value", "item.role")
+        raise ProtocolError(f"{where}.role must be user, assistant or system", "invalid_value", f"{where}.role")
     content = data.get("content")
     if not isinstance(content, list) or not content:
-        raise ProtocolError("item.content must be a non-empty list", "invalid_value", "item.content")
+        raise ProtocolError(f"{where}.content must be a non-empty list", "invalid_value", f"{where}.content")
     item = Item(role, id=data["id"] if isinstance(data.get("id"), str) else new_id("item"))
     for i, part in enumerate(content):
-        param = f"item.content[{i}]"
+        param = f"{where}.content[{i}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in allowed:
+        if not isinstance(kind, str) or kind not in allowed:
             raise ProtocolError(f"{param}.type must be one of {sorted(allowed)} for a {role} item", param=param)
+        transcript = part.get("transcript")
+        if transcript is not None and not isinstance(transcript, str):
+            raise ProtocolError(f"{param}.transcript must be a string", param=f"{param}.transcript")
         if kind in ("input_audio", "audio", "output_audio") and role == "user":
             try:
                 samples = input_format.decode(decode_b64(part.get("audio")))
             except AudioDataError as exc:
                 raise ProtocolError(f"{param}.audio: {exc}", "invalid_audio", f"{param}.audio") from None
-            item.content.append(ContentPart("input_audio", transcript=part.get("transcript"), samples=samples))
+            item.content.append(ContentPart("input_audio", transcript=transcript, samples=samples))
         elif kind in ("audio", "output_audio"):
-            item.content.append(ContentPart("output_audio", transcript=str(part.get("transcript") or "")))
+            item.content.append(ContentPart("output_audio", transcript=transcript or ""))
         else:
             if not isinstance(part.get("text"), str):
                 raise ProtocolError(f"{param}.text must be a string", param=f"{param}.text")
@@ -106,16 +113,20 @@ class Conversation:
                 return item
         raise ProtocolError(f"no item with id {item_id!r} in the conversation", "item_not_found", "item_id")
 
-    def add(self, item: Item, previous_item_id: str | None = None) -> str | None:
+    def add(self, item: Item, previous_item_id: str | None = None, where: str = "item") -> str | None:
         """Adds after `previous_item_id` (root: first; None: last); returns the id before it."""
         if any(i.id == item.id for i in self.items):
-            raise ProtocolError(f"an item with id {item.id!r} already exists", "item_exists", "item.id")
+            raise ProtocolError(f"an item with id {item.id!r} already exists", "item_exists", f"{where}.id")
         if previous_item_id is None:
             at = len(self.items)
         elif previous_item_id == "root":
             at = 0
         else:
-            at = self.items.index(self.get(previous_item_id)) + 1
+            try:
+                at = self.items.index(self.get(previous_item_id)) + 1
+            except ProtocolError as err:
+                err.param = "previous_item_id"  # the field that named it
+                raise
         self.items.insert(at, item)
         return self.items[at - 1].id if at > 0 else None
 

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from omnistage.serving.errors import loc_to_param
+
 
 class ProtocolError(ValueError):
     """A client event the session refuses: answered with an `error` event."""
@@ -126,9 +128,16 @@ def parse_client_event(raw: str | bytes) -> ClientEvent:
     try:
         return model.model_validate({**data, "type": kind})
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
-        raise ProtocolError(f"{kind}: {param}: {first['msg']}", "invalid_value", param, event_id) from None
+        param, message = first_problem(exc)
+        raise ProtocolError(f"{kind}: {message}", "invalid_value", param, event_id) from None
+
+
+def first_problem(exc: ValidationError, *root: str) -> tuple[str | None, str]:
+    """(param, message) for pydantic's first complaint; the param names the client's field
+    ("session.output_modalities[0]"), never pydantic's union member ("max_output_tokens.int")."""
+    first = exc.errors()[0]
+    param = loc_to_param((*root, *first["loc"])) or (root[0] if root else None)
+    return param, f"{param}: {first['msg']}" if param else first["msg"]
 
 
 def new_id(prefix: str) -> str:

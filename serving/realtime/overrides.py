@@ -8,16 +8,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from omnistage.serving.realtime.audio import AudioFormat
-from omnistage.serving.realtime.config import SessionConfig
+from omnistage.serving.realtime.config import SessionConfig, first_given
 from omnistage.serving.realtime.conversation import Conversation, item_from_client
-from omnistage.serving.realtime.events import ProtocolError
+from omnistage.serving.realtime.events import ProtocolError, first_problem
 from omnistage.serving.realtime.response import ResponsePlan
 
 
 class _Output(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: Any = None
-    voice: str | None = None
+    voice: str | None = Field(default=None, min_length=1)
 
 
 class _Audio(BaseModel):
@@ -27,11 +27,11 @@ class _Audio(BaseModel):
 
 class ResponseOverrides(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    output_modalities: list[Literal["text", "audio"]] | None = None
-    modalities: list[Literal["text", "audio"]] | None = None  # beta
+    output_modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(default=None, min_length=1)  # beta
     instructions: str | None = None
     audio: _Audio | None = None
-    voice: str | None = None  # beta
+    voice: str | None = Field(default=None, min_length=1)  # beta
     output_audio_format: str | None = None  # beta
     max_output_tokens: int | Literal["inf"] | None = None
     max_response_output_tokens: int | Literal["inf"] | None = None  # beta
@@ -48,24 +48,30 @@ def response_plan(config: SessionConfig, raw: dict[str, Any], salt: str) -> tupl
     try:
         o = ResponseOverrides.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in ("response", *first["loc"]))
-        raise ProtocolError(f"{param}: {first['msg']}", "invalid_value", param) from None
+        param, message = first_problem(exc, "response")
+        raise ProtocolError(message, "invalid_value", param) from None
     if o.tools:
         raise ProtocolError("tools (function calling) are not supported", "unsupported_value", "response.tools")
-    modalities = o.output_modalities or o.modalities
+    modalities = o.output_modalities or o.modalities  # neither can be empty
     speaks = ("audio" in modalities) if modalities else config.speaks
+    output = o.audio.output if o.audio and o.audio.output else None
     fmt = config.output_format
-    given = (o.audio.output.format if o.audio and o.audio.output else None) or o.output_audio_format
+    param, given = first_given(
+        ("response.audio.output.format", output.format if output else None),
+        ("response.output_audio_format", o.output_audio_format),
+    )
     if given is not None:
         try:
             fmt = AudioFormat.parse(given)
         except ValueError as exc:
-            raise ProtocolError(str(exc), "invalid_value", "response.audio.output.format") from None
-    voice = (o.audio.output.voice if o.audio and o.audio.output else None) or o.voice or config.voice
-    limit = o.max_output_tokens if o.max_output_tokens is not None else o.max_response_output_tokens
+            raise ProtocolError(str(exc), "invalid_value", param) from None
+    voice = (output.voice if output else None) or o.voice or config.voice  # none can be ""
+    param, limit = first_given(
+        ("response.max_output_tokens", o.max_output_tokens),
+        ("response.max_response_output_tokens", o.max_response_output_tokens),
+    )
     if isinstance(limit, int) and limit < 1:
-        raise ProtocolError("max_output_tokens must be >= 1 or 'inf'", "invalid_value", "response.max_output_tokens")
+        raise ProtocolError(f"{param} must be >= 1 or 'inf'", "invalid_value", param)
     plan = ResponsePlan(
         speaks=speaks,
         output_format=fmt,
@@ -82,7 +88,8 @@ def response_plan(config: SessionConfig, raw: dict[str, Any], salt: str) -> tupl
     if o.input is not None:
         items = Conversation()
         for i, entry in enumerate(o.input):
+            where = f"response.input[{i}]"
             if entry.get("type") == "item_reference":
-                raise ProtocolError("item references are not supported", "unsupported_value", f"response.input[{i}]")
-            items.add(item_from_client(entry, config.input_format))
+                raise ProtocolError("item references are not supported", "unsupported_value", where)
+            items.add(item_from_client(entry, config.input_format, where), where=where)
     return plan, items

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from omnistage.errors import OmnistageError
+from omnistage.errors import InvalidRequestError, OmnistageError
 from omnistage.serving.realtime.audio import SESSION_RATE, AudioFormat
 from omnistage.serving.realtime.conversation import ContentPart, Item
 from omnistage.serving.realtime.events import new_id, server_event
@@ -124,7 +124,7 @@ class ResponseRunner:
             s.status = "cancelled"
             s.reason = s.reason or "client_cancelled"
         except OmnistageError as err:
-            s.status, s.error = "failed", {"type": "server_error", "code": err.code, "message": str(err)}
+            s.status, s.error = "failed", {"type": _error_type(err), "code": err.code, "message": str(err)}
         await self._finish(ids, part)
 
     async def _start(self, ids: dict[str, Any]) -> None:
@@ -193,6 +193,11 @@ class ResponseRunner:
         if self.plan.conversation != "none":
             await self.send(server_event("conversation.item.done", item=item.as_dict()))
         await self.send(server_event("response.done", response=self.resource()))
+
+
+def _error_type(err: OmnistageError) -> str:
+    """A stage refusing the request (a voice the model lacks) is the client's error, not the server's."""
+    return "invalid_request_error" if isinstance(err, InvalidRequestError) else "server_error"
 
 
 def _status_details(s: ResponseState) -> dict[str, Any] | None:

@@ -81,6 +81,11 @@ class RealtimeSession:
         except ev.ProtocolError as err:
             err.event_id = err.event_id or event_id
             await self.send(ev.error_event(err))
+        except Exception:
+            # a fault of ours in one event is that event's error, not the end of the session
+            log.exception("realtime session %s: event failed", self.id)
+            err = ev.ProtocolError("the server failed to handle this event", "server_error", None, event_id)
+            await self.send(ev.error_event(err, "server_error"))
 
     async def close(self) -> None:
         """The client is gone: stop the response (aborting it in every stage) and the timers."""

@@ -1,5 +1,6 @@
-"""What the HTTP fuzz tests send and how they judge the answer (shared by
-tests/reliability/test_fuzz_api.py and tests/api/test_speech_fuzz.py)."""
+"""What the fuzz tests send and how the HTTP ones judge the answer (shared by
+tests/reliability/test_fuzz_api.py, tests/api/test_speech_fuzz.py and
+tests/reliability/test_fuzz_realtime.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ CAPS = {
     "num_inference_steps": 4,
     "partial_images": 2,
     "max_new_tokens": 64,
+    "max_output_tokens": 16,  # realtime: a spoken answer costs more per token
+    "max_response_output_tokens": 16,
 }
 
 
