@@ -335,6 +335,8 @@ def _markdown_value(value: Any) -> str:
 
 
 NO_PARAMS = ParamSet("stage")
+# A request's seed: torch generators take -2**63 .. 2**64 - 1, and n sequences use seed + i.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from omnistage.serving.realtime.audio import AudioFormat
 from omnistage.serving.realtime.events import first_problem
 from omnistage.serving.realtime.vad import VadSettings
+from omnistage.stages.params import MAX_SEED
 
 Modality = Literal["text", "audio"]
-MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
 
 
 class ConfigError(ValueError):

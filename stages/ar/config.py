@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from omnistage.stages.params import Param, ParamSet
+from omnistage.stages.params import MAX_SEED, MIN_SEED, Param, ParamSet
 
 
 def _min_tokens_le_max(values: dict[str, Any]) -> tuple[str, str] | None:
@@ -36,7 +36,13 @@ SAMPLING_PARAMS = ParamSet(
         Param("presence_penalty", "number", 0.0, "Subtract once per generated token seen.", minimum=-2, maximum=2),
         Param("frequency_penalty", "number", 0.0, "Subtract per occurrence in the output.", minimum=-2, maximum=2),
         Param(
-            "seed", "integer", None, "Seed of this request's own generator (sequence i uses seed + i).", nullable=True
+            "seed",
+            "integer",
+            None,
+            "Seed of this request's own generator (sequence i uses seed + i).",
+            minimum=MIN_SEED,
+            maximum=MAX_SEED,
+            nullable=True,
         ),
         Param("max_tokens", "integer", 16, "Most tokens to generate.", minimum=1),
         Param("min_tokens", "integer", 0, "EOS and stop tokens are ignored before this many.", minimum=0),

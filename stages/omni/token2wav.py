@@ -24,7 +24,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.omni.token2wav_model import OdeSettings, load_token2wav
 from omnistage.stages.omni.token2wav_windows import RequestNoise, Span, Token2WavRequest, WindowSettings
-from omnistage.stages.params import Param, ParamSet
+from omnistage.stages.params import MAX_SEED, Param, ParamSet
 from omnistage.stages.registry import register_stage
 
 MODES = ("stream", "full")
@@ -86,7 +86,15 @@ REQUEST_PARAMS = ParamSet(
     tuple(replace(p, default=None, description=f"{p.description} Default: the stage's.") for p in _WINDOW_AND_ODE)
     + (
         Param("speaker", "string", None, "Another name for voice.", nullable=True),
-        Param("seed", "integer", None, "Seed of the request's ODE noise (default: random).", minimum=0, nullable=True),
+        Param(
+            "seed",
+            "integer",
+            None,
+            "Seed of the request's ODE noise (default: random).",
+            minimum=0,
+            maximum=MAX_SEED,
+            nullable=True,
+        ),
     ),
 )
 

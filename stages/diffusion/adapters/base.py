@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from omnistage.errors import InvalidRequestError
-from omnistage.stages.params import Param, ParamSet
+from omnistage.stages.params import MAX_SEED, MIN_SEED, Param, ParamSet
 
 
 class ComponentLoading:
@@ -80,7 +80,15 @@ GENERATION_PARAMS = ParamSet(
         Param(
             "true_cfg_scale", "number", None, "True CFG scale (FLUX with a negative prompt).", minimum=0, nullable=True
         ),
-        Param("seed", "integer", None, "Seed of this request's own generator; default: a fresh one.", nullable=True),
+        Param(
+            "seed",
+            "integer",
+            None,
+            "Seed of this request's own generator; default: a fresh one.",
+            minimum=MIN_SEED,
+            maximum=MAX_SEED,
+            nullable=True,
+        ),
         Param("num_images_per_prompt", "integer", 1, "Samples per prompt.", minimum=1),
         Param(
             "max_sequence_length",
