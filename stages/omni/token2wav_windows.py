@@ -25,7 +25,7 @@ class WindowSettings:
     """Window sizes in DiT blocks (mel frames for the vocoder overlap)."""
 
     first_blocks: int = 2
-    steady_blocks: int = 4
+    steady_blocks: int = 8
     past_blocks: int = 2
     future_blocks: int = 1
     vocoder_overlap: int = 24
@@ -49,11 +49,24 @@ def plan_dit_window(done: int, known: int, ended: bool, block: int, w: WindowSet
         return None
     if w.full:
         return Span(0, known, 0, known) if ended else None
-    end = done + (w.first_blocks if done == 0 else w.steady_blocks) * block
+    end = done + window_blocks_after(done // block, w) * block
     read_end = end + w.future_blocks * block
     if known < read_end and not ended:
         return None
     return Span(done, min(end, known), max(0, done - w.past_blocks * block), min(read_end, known))
+
+
+def window_blocks_after(done_blocks: int, w: WindowSettings) -> int:
+    """Blocks of the window that starts after `done_blocks`: the first window's, then each
+    window twice the one before until the steady size. The first audio waits only for a short
+    window, the ones right after it still come soon (the listener has little audio buffered),
+    and the rest are long: a window's past and future context is computed again for every
+    window, so long windows cost less per second of speech."""
+    size, at = w.first_blocks, 0
+    while at < done_blocks:
+        at += size
+        size = min(2 * size, w.steady_blocks)
+    return size
 
 
 def plan_vocoder_window(vocoded: int, final: int, all_final: bool, overlap: int) -> Span | None:

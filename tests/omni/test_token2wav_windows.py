@@ -33,11 +33,13 @@ def test_dit_windows_are_block_aligned_and_wait_for_future_context():
     w = WindowSettings(first_blocks=1, steady_blocks=3, past_blocks=2, future_blocks=1)
     assert plan_dit_window(0, 47, False, 24, w) is None  # 1 block + 1 block of future: 48 frames
     assert plan_dit_window(0, 48, False, 24, w) == Span(0, 24, 0, 48)
-    assert plan_dit_window(24, 119, False, 24, w) is None
-    assert plan_dit_window(24, 500, False, 24, w) == Span(24, 96, 0, 120)
-    assert plan_dit_window(96, 500, False, 24, w) == Span(96, 168, 48, 192)
+    # then each window twice the one before, up to the steady size: 1, 2, 3, 3 blocks
+    assert plan_dit_window(24, 95, False, 24, w) is None
+    assert plan_dit_window(24, 500, False, 24, w) == Span(24, 72, 0, 96)
+    assert plan_dit_window(72, 500, False, 24, w) == Span(72, 144, 24, 168)
+    assert plan_dit_window(144, 500, False, 24, w) == Span(144, 216, 96, 240)
     # the end of the stream: no future context to wait for, clipped to the codes
-    assert plan_dit_window(96, 130, True, 24, w) == Span(96, 130, 48, 130)
+    assert plan_dit_window(72, 130, True, 24, w) == Span(72, 130, 24, 130)
     assert plan_dit_window(130, 130, True, 24, w) is None
     full = WindowSettings(full=True)
     assert plan_dit_window(0, 500, False, 24, full) is None
