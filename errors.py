@@ -16,15 +16,32 @@ class InvalidRequestError(OmnistageError):
     status = 400
     code = "invalid_request_error"
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        if code is not None:  # a more specific reason than the class's (image_too_large, ...)
+            self.code = code
 
 
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt does not fit the model's context (OpenAI's code for it)."""
 
     code = "context_length_exceeded"
+
+
+class VideoTooLargeError(InvalidRequestError):
+    """A video over its encoded size or decoded-RGB limit (stages/media_limits.py)."""
+
+    status = 413
+    code = "video_too_large"
+
+
+def invalid_request(message: str, param: str | None, code: str | None) -> InvalidRequestError:
+    """An InvalidRequestError for `code`: of the class that owns the code where one does (its
+    HTTP status comes with it), e.g. when a stage's error is rebuilt on this side of a worker."""
+    owners = {cls.code: cls for cls in (ContextLengthExceededError, VideoTooLargeError)}
+    cls = owners.get(code or "", InvalidRequestError)
+    return cls(message, param=param, code=code)
 
 
 class OverloadedError(OmnistageError):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.errors import InvalidRequestError, StageError, WorkerDiedError
+from omnistage.errors import InvalidRequestError, StageError, WorkerDiedError, invalid_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PIPELINE_OUTPUTS, PipelineSpec
 from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import Abort, Credit, Deliver, Emit, PermitFreed, PermitsTaken, RequestMeta, send_msg
@@ -308,8 +308,4 @@ class Router:
 
 def _invalid(stage: str, msg: Emit) -> InvalidRequestError:
     """The request's own fault reported by a stage, with the stage's error code when it sent one."""
-    err = InvalidRequestError(f"stage {stage!r}: {msg.error}", param=msg.param)
-    code = msg.error_kind.partition(":")[2]
-    if code:
-        err.code = code
-    return err
+    return invalid_request(f"stage {stage!r}: {msg.error}", msg.param, msg.error_kind.partition(":")[2] or None)

@@ -16,6 +16,8 @@ first, then keeps the frames it samples).
 from __future__ import annotations
 
 import io
+import os
+import stat
 import time
 from collections.abc import Container
 from dataclasses import dataclass
@@ -23,17 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import InvalidRequestError, VideoTooLargeError
 
 MAX_IMAGE_PIXELS = 1 << 26  # 64 Mpx (8192 x 8192): decoded RGB stays under 200 MB
 AUDIO_RATE_RANGE = (4_000, 384_000)  # Hz: telephone audio to studio audio
 MAX_AUDIO_SECONDS = 20 * 60  # an hour would decode to ~230 MB
 MAX_AUDIO_BYTES = 256 << 20  # encoded: 20 minutes of 48 kHz stereo 16-bit WAV fit
-
-
-class VideoTooLargeError(InvalidRequestError):
-    status = 413
-    code = "video_too_large"
 
 
 @dataclass(frozen=True)
@@ -49,39 +46,40 @@ class VideoLimits:
 VIDEO_LIMITS = VideoLimits()
 
 
-def media_error(message: str, param: str | None, code: str) -> InvalidRequestError:
-    err = InvalidRequestError(message, param=param)
-    err.code = code
-    return err
-
-
 def read_bounded(path: str | Path, max_bytes: int, param: str) -> bytes:
-    """A file's bytes, refused past `max_bytes` without reading more than one byte over (a
-    device such as /dev/zero reports size 0 and never ends)."""
+    """A file's bytes, refused past `max_bytes` before they are read: a regular file by its
+    size, a device (/dev/zero reports size 0 and never ends) by reading one byte over."""
     try:
+        kind = os.stat(path)
+        if not (stat.S_ISREG(kind.st_mode) or stat.S_ISCHR(kind.st_mode)):  # a FIFO would block
+            raise InvalidRequestError(f"{param}: {str(path)!r} is not a file", param=param)
+        if kind.st_size > max_bytes:
+            raise InvalidRequestError(
+                f"{param} is {kind.st_size} bytes; at most {max_bytes}", param, code="input_too_large"
+            )
         with open(path, "rb") as f:
             data = f.read(max_bytes + 1)
-    except OSError as exc:
-        raise InvalidRequestError(f"cannot read {param} from {str(path)!r}: {exc.strerror}", param=param) from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise InvalidRequestError(f"cannot read {param} from {str(path)!r}: {exc}", param=param) from None
     if len(data) > max_bytes:
-        raise media_error(f"{param} is larger than {max_bytes} bytes", param, code="input_too_large")
+        raise InvalidRequestError(f"{param} is larger than {max_bytes} bytes", param, code="input_too_large")
     return data
 
 
 def check_image_size(width: int, height: int, param: str) -> None:
     if width * height > MAX_IMAGE_PIXELS:
         message = f"{param} is {width}x{height} pixels; images may have at most {MAX_IMAGE_PIXELS} pixels"
-        raise media_error(message, param, code="image_too_large")
+        raise InvalidRequestError(message, param, code="image_too_large")
 
 
 def check_audio_size(rate: int, seconds: float, param: str) -> None:
     low, high = AUDIO_RATE_RANGE
     if not low <= rate <= high:
         message = f"{param} has a sample rate of {rate} Hz; audio input must be sampled at {low}-{high} Hz"
-        raise media_error(message, param, code="invalid_sample_rate")
+        raise InvalidRequestError(message, param, code="invalid_sample_rate")
     if seconds > MAX_AUDIO_SECONDS:
         message = f"{param} lasts {seconds:.0f} s; audio input may last at most {MAX_AUDIO_SECONDS} s"
-        raise media_error(message, param, code="audio_too_long")
+        raise InvalidRequestError(message, param, code="audio_too_long")
 
 
 @dataclass(frozen=True)
@@ -98,6 +96,24 @@ def check_video(data: bytes, param: str, limits: VideoLimits = VIDEO_LIMITS) -> 
     return decode_video(data, param, limits, keep=())[1]
 
 
+def video_header(data: bytes, param: str, limits: VideoLimits = VIDEO_LIMITS) -> VideoProbe:
+    """What the container's header declares (frames 0 when it does not say), checked against
+    `limits`; nothing is decoded."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise InvalidRequestError(f"{param} has no video stream", param, code="invalid_video")
+            stream = container.streams.video[0]
+            _check_header(container, stream, param, limits)
+            return VideoProbe(int(stream.frames), float(stream.average_rate or stream.guessed_rate or 0))
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - FFmpeg fails on hostile input in many ways: the input's fault
+        raise InvalidRequestError(f"{param} is not a decodable video: {exc}", param, code="invalid_video") from None
+
+
 def decode_video(
     data: bytes, param: str, limits: VideoLimits = VIDEO_LIMITS, keep: Container[int] | None = None
 ) -> tuple[list[np.ndarray], VideoProbe]:
@@ -111,7 +127,7 @@ def decode_video(
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
-                raise media_error(f"{param} has no video stream", param, code="invalid_video")
+                raise InvalidRequestError(f"{param} has no video stream", param, code="invalid_video")
             stream = container.streams.video[0]
             _check_header(container, stream, param, limits)
             frames, count = _decode(container, stream, param, limits, deadline, keep)
@@ -119,9 +135,9 @@ def decode_video(
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - FFmpeg fails on hostile input in many ways: the input's fault
-        raise media_error(f"{param} is not a decodable video: {exc}", param, code="invalid_video") from None
+        raise InvalidRequestError(f"{param} is not a decodable video: {exc}", param, code="invalid_video") from None
     if not rate:
-        raise media_error(f"{param} declares no frame rate", param, code="invalid_video")
+        raise InvalidRequestError(f"{param} declares no frame rate", param, code="invalid_video")
     return frames, VideoProbe(count, float(rate))
 
 
@@ -155,29 +171,29 @@ def _decode(
             raise _too_much_rgb(frames, frame.width, frame.height, param, limits)
         if time.monotonic() > deadline:
             message = f"{param} took more than {limits.decode_seconds:g} s to decode ({frames} frames so far)"
-            raise media_error(message, param, code="video_too_complex")
+            raise InvalidRequestError(message, param, code="video_too_complex")
         if keep is None or frames - 1 in keep:
             kept.append(frame.to_ndarray(format="rgb24"))
     if frames == 0:
-        raise media_error(f"{param} holds no video frames", param, code="invalid_video")
+        raise InvalidRequestError(f"{param} holds no video frames", param, code="invalid_video")
     return kept, frames
 
 
 def _check_frame_size(width: int, height: int, param: str, limits: VideoLimits) -> None:
     if width * height > limits.max_frame_pixels:
         message = f"{param} has {width}x{height} frames; a frame may have at most {limits.max_frame_pixels} pixels"
-        raise media_error(message, param, code="video_resolution_too_large")
+        raise InvalidRequestError(message, param, code="video_resolution_too_large")
 
 
 def _check_seconds(seconds: float, param: str, limits: VideoLimits) -> None:
     if seconds > limits.max_seconds:
         message = f"{param} lasts {seconds:.0f} s or more; a video may last at most {limits.max_seconds:g} s"
-        raise media_error(message, param, code="video_too_long")
+        raise InvalidRequestError(message, param, code="video_too_long")
 
 
 def _too_many_frames(frames: int, param: str, limits: VideoLimits) -> InvalidRequestError:
     message = f"{param} has {frames} frames or more; a video may have at most {limits.max_frames}"
-    return media_error(message, param, code="video_too_many_frames")
+    return InvalidRequestError(message, param, code="video_too_many_frames")
 
 
 def _too_much_rgb(frames: int, width: int, height: int, param: str, limits: VideoLimits) -> InvalidRequestError:

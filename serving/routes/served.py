@@ -27,10 +27,7 @@ class ModelNotServingError(InvalidRequestError):
 
 
 def invalid(message: str, param: str | None, code: str | None = None) -> InvalidRequestError:
-    err = InvalidRequestError(message, param=param)
-    if code is not None:
-        err.code = code
-    return err
+    return InvalidRequestError(message, param=param, code=code)
 
 
 @dataclass

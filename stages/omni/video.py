@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from omnistage.errors import InvalidRequestError
-from omnistage.stages.media_limits import VIDEO_LIMITS, check_video, decode_video, read_bounded
+from omnistage.stages.media_limits import VIDEO_LIMITS, check_video, decode_video, read_bounded, video_header
 
 VIDEO_FPS = 2.0
 VIDEO_MIN_PIXELS = 128 * 28 * 28
@@ -60,7 +60,12 @@ def load_frames(value: Any, pick: Callable[[int, float], np.ndarray] | None = No
         frames = np.asarray(value["frames"])
         if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
             raise InvalidRequestError("video frames must be a non-empty [N, H, W, 3] array", param="videos")
-        rate = float(value["fps"])
+        try:
+            rate = float(value["fps"])
+        except (TypeError, ValueError):
+            rate = math.nan
+        if not math.isfinite(rate) or rate <= 0:
+            raise InvalidRequestError(f"fps must be a positive number, got {value['fps']!r}", param="videos")
         if pick is not None:
             frames = frames[pick(len(frames), rate)]
         return frames.astype(np.uint8, copy=False), rate
@@ -68,11 +73,18 @@ def load_frames(value: Any, pick: Callable[[int, float], np.ndarray] | None = No
         value = read_bounded(value, VIDEO_LIMITS.max_bytes, "videos")
     if not isinstance(value, (bytes, bytearray)):
         raise InvalidRequestError("a video must be encoded bytes, a path or {frames, fps}", param="videos")
-    keep = None
-    if pick is not None:
-        probe = check_video(bytes(value), "videos")
-        keep = {int(i) for i in pick(probe.frames, probe.rate)}
-    frames, probe = decode_video(bytes(value), "videos", keep=keep)
+    raw = bytes(value)
+    if pick is None:
+        frames, probe = decode_video(raw, "videos")
+        return np.stack(frames), probe.rate
+    # one decode when the header's frame count holds; else count first, then decode the picks
+    declared = video_header(raw, "videos")
+    if declared.frames and declared.rate:
+        frames, probe = decode_video(raw, "videos", keep={int(i) for i in pick(declared.frames, declared.rate)})
+        if probe.frames == declared.frames:
+            return np.stack(frames), probe.rate
+    probe = check_video(raw, "videos")
+    frames, probe = decode_video(raw, "videos", keep={int(i) for i in pick(probe.frames, probe.rate)})
     return np.stack(frames), probe.rate
 
 

@@ -27,7 +27,7 @@ import torch
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageContext, StageRequest
 from omnistage.stages.dynamic import PreparedBatchEngine
-from omnistage.stages.media_limits import check_image_size, media_error
+from omnistage.stages.media_limits import check_image_size
 from omnistage.stages.omni.checkpoint import load_submodule, read_config
 from omnistage.stages.omni.video import VIDEO_FPS, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VideoPatcher, VideoPatches
 from omnistage.stages.params import Param, ParamSet
@@ -85,7 +85,9 @@ def load_image(value: Any):
     except InvalidRequestError:
         raise
     except Image.DecompressionBombError as exc:  # a size so large Pillow refuses to open it
-        raise media_error(f"the image declares too many pixels: {exc}", "images", code="image_too_large") from None
+        raise InvalidRequestError(
+            f"the image declares too many pixels: {exc}", "images", code="image_too_large"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - undecodable input is the request's fault
         raise InvalidRequestError(f"could not read the image ({exc.__class__.__name__})", param="images") from None
     return img.convert("RGB")

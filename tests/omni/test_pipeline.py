@@ -284,6 +284,7 @@ def test_media_bombs_given_to_the_pipeline_are_refused_before_they_cost_memory(o
         with pytest.raises(InvalidRequestError) as info:
             omni_pipeline.run(_one_media_request(port, value), params, timeout=120)
         assert (info.value.code, info.value.param) == (code, port), str(info.value)
+        assert info.value.status == (413 if code == "video_too_large" else 400)  # as the chat route answers
     growth = {pid: (peak_rss(pid)[pid] - before[pid]) >> 20 for pid in workers}
     assert max(growth.values()) < 64, f"peak RSS growth per worker (MiB): {growth}"
     assert omni_pipeline.run(_one_media_request("videos", small_video), params, timeout=120)["text"] is not None

@@ -35,7 +35,8 @@ def _codes_in_code() -> set[str]:
     for module in pkgutil.walk_packages([str(ROOT / "serving")], "omnistage.serving."):
         importlib.import_module(module.name)
     codes = {cls.code for cls in [OmnistageError, *_subclasses(OmnistageError)]}
-    for path in (ROOT / "serving").rglob("*.py"):
+    # the routes answer with the media checks the stages share (stages/media_limits.py)
+    for path in [*(ROOT / "serving").rglob("*.py"), ROOT / "stages" / "media_limits.py"]:
         source = path.read_text()
         codes.update(re.findall(r'\bcode\s*=\s*"([a-z_]+)"', source))
         codes.update(re.findall(r'\bcode\s*=\s*"[a-z_]+" if .+ else "([a-z_]+)"', source))
