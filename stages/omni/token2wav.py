@@ -24,7 +24,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.omni.token2wav_model import OdeSettings, load_token2wav
 from omnistage.stages.omni.token2wav_windows import RequestNoise, Span, Token2WavRequest, WindowSettings
-from omnistage.stages.params import MAX_SEED, Param, ParamSet
+from omnistage.stages.params import MAX_SEED, MIN_SEED, Param, ParamSet
 from omnistage.stages.registry import register_stage
 
 MODES = ("stream", "full")
@@ -97,7 +97,7 @@ REQUEST_PARAMS = ParamSet(
             "integer",
             None,
             "Seed of the request's ODE noise (default: random).",
-            minimum=0,
+            minimum=MIN_SEED,
             maximum=MAX_SEED,
             nullable=True,
         ),
