@@ -10,7 +10,8 @@ Each event is answered within 10 s by what it asked for (`session.updated` showi
 accepted values, the item added, a response that ends) or by an `error` event of type
 invalid_request_error whose `param` names a field that was sent (not pydantic's union
 member); the socket never closes, the server logs no traceback, and a session that accepted
-an update still answers a text turn."""
+an update still answers a turn (a user text, a short answer in the session's modalities);
+one that refused an event still answers the next."""
 
 from __future__ import annotations
 
@@ -110,9 +111,11 @@ async def answer(ws, sent: dict) -> dict:
 
 
 def names_sent(param: str, sent: dict) -> bool:
-    """`param` ("session.audio.input.format", "response.input[0].role") is a path into `sent`."""
+    """`param` ("session.audio.input.format", "response.input[0].role") is a path into `sent`,
+    or names a field missing from an object that was sent (a required field left out)."""
     node: object = sent
-    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", param):
+    steps = re.findall(r"([^.\[\]]+)|\[(\d+)\]", param)
+    for i, (name, index) in enumerate(steps):
         if index:
             if not isinstance(node, list) or int(index) >= len(node):
                 return False
@@ -120,7 +123,7 @@ def names_sent(param: str, sent: dict) -> bool:
         elif isinstance(node, dict) and name in node:
             node = node[name]
         else:
-            return False
+            return isinstance(node, dict) and i == len(steps) - 1
     return True
 
 
@@ -149,6 +152,22 @@ async def turn(ws, response: dict | None = None) -> dict:
     assert not errors, errors
     assert_ended_well(done["response"])
     return done["response"]
+
+
+async def after_a_user_text(ws, sent: dict) -> dict:
+    """Add a user text to the conversation (so it is never empty), then send `sent`: its answer."""
+    await send(ws, "conversation.item.create", item=HI)
+    await until(ws, "conversation.item.done", timeout=WAIT_S)
+    await ws.send(json.dumps(sent))
+    reply = await answer(ws, sent)
+    count(reply)
+    return reply
+
+
+async def still_answers(ws) -> None:
+    """The session goes on after a refused event: a cheap event gets its answer."""
+    await send(ws, "input_audio_buffer.clear")
+    await until(ws, "input_audio_buffer.cleared", timeout=WAIT_S)
 
 
 def assert_ended_well(response: dict) -> None:
@@ -341,6 +360,7 @@ def test_session_update_is_applied_or_refused_naming_the_field(omni_server, draw
         count(reply)
         if reply["type"] == "error":
             assert_named_error(reply, sent)
+            await still_answers(ws)
             return
         assert reply["type"] == "session.updated", (sent, reply)
         assert_shows(session, reply["session"], SESSION_SHOWS)
@@ -406,11 +426,7 @@ def test_response_overrides_are_applied_or_refused_naming_the_field(omni_server,
     sent = {"type": "response.create", "event_id": "event_fuzz", "response": response}
 
     async def scenario(ws):
-        await send(ws, "conversation.item.create", item=HI)
-        await until(ws, "conversation.item.done", timeout=WAIT_S)
-        await ws.send(json.dumps(sent))
-        reply = await answer(ws, sent)
-        count(reply)
+        reply = await after_a_user_text(ws, sent)
         if reply["type"] == "error":
             assert_named_error(reply, sent)
             await turn(ws, TEXT_TURN)  # the session goes on
@@ -463,11 +479,7 @@ def test_items_are_added_or_refused_naming_the_field(omni_server, drawn, previou
         sent["previous_item_id"] = previous
 
     async def scenario(ws):
-        await send(ws, "conversation.item.create", item=HI)  # the conversation is never empty
-        await until(ws, "conversation.item.done", timeout=WAIT_S)
-        await ws.send(json.dumps(sent))
-        reply = await answer(ws, sent)
-        count(reply)
+        reply = await after_a_user_text(ws, sent)
         if reply["type"] == "error":
             assert_named_error(reply, sent)
         else:

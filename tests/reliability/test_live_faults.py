@@ -35,19 +35,36 @@ def server(tmp_path_factory):
         yield server
 
 
-def worker_pid(server, pipeline: str, stage: str) -> int | None:
-    title = f"omnistage: {pipeline}/{stage}#0"
+def worker_pid(server, pipeline: str, stage: str, replica: int = 0) -> int | None:
+    title = f"omnistage: {pipeline}/{stage}#{replica}"
     for pid in descendants(server.proc.pid):
         if cmdline(pid).strip() == title:
             return pid
     return None
 
 
-def wait_restarted(server, pipeline: str, stage: str, old_pid: int, timeout: float = 180) -> float:
+def holding_replica(server, pipeline: str, stage: str, wait_s: float = 3.0) -> int:
+    """A replica of the stage with a request in flight (the stage may have several), waiting up
+    to `wait_s` for one; replica 0 when none does."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+            if (
+                line.startswith("omnistage_stage_inflight_requests{")
+                and f'pipeline="{pipeline}"' in line
+                and f'stage="{stage}"' in line
+                and float(line.rsplit(" ", 1)[1]) > 0
+            ):
+                return int(line.split('replica="', 1)[1].split('"', 1)[0])
+        time.sleep(0.05)
+    return 0
+
+
+def wait_restarted(server, pipeline: str, stage: str, old_pid: int, replica: int = 0, timeout: float = 180) -> float:
     """Seconds from now until the stage has a new worker and /ready says 200 again."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        pid = worker_pid(server, pipeline, stage)
+        pid = worker_pid(server, pipeline, stage, replica)
         if pid not in (None, old_pid) and httpx.get(f"{server.url}/ready", timeout=10).status_code == 200:
             return time.monotonic() - t0
         time.sleep(0.05)
@@ -69,11 +86,12 @@ def test_sigkill_of_each_worker_fails_only_what_it_held(server):
     try:
         time.sleep(3.0)
         for pipeline, stage in STAGES:
-            pid = worker_pid(server, pipeline, stage)
-            assert pid, (pipeline, stage)
+            replica = holding_replica(server, pipeline, stage)
+            pid = worker_pid(server, pipeline, stage, replica)
+            assert pid, (pipeline, stage, replica)
             t_kill = time.monotonic()
             os.kill(pid, signal.SIGKILL)
-            kills.append((pipeline, stage, t_kill, wait_restarted(server, pipeline, stage, pid)))
+            kills.append((pipeline, stage, t_kill, wait_restarted(server, pipeline, stage, pid, replica)))
             time.sleep(2.0)
     finally:
         outcomes = traffic.stop()
