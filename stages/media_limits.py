@@ -19,9 +19,11 @@ import io
 import os
 import stat
 import time
-from collections.abc import Container
+from collections.abc import Container, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -99,19 +101,8 @@ def check_video(data: bytes, param: str, limits: VideoLimits = VIDEO_LIMITS) -> 
 def video_header(data: bytes, param: str, limits: VideoLimits = VIDEO_LIMITS) -> VideoProbe:
     """What the container's header declares (frames 0 when it does not say), checked against
     `limits`; nothing is decoded."""
-    import av
-
-    try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise InvalidRequestError(f"{param} has no video stream", param, code="invalid_video")
-            stream = container.streams.video[0]
-            _check_header(container, stream, param, limits)
-            return VideoProbe(int(stream.frames), float(stream.average_rate or stream.guessed_rate or 0))
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - FFmpeg fails on hostile input in many ways: the input's fault
-        raise InvalidRequestError(f"{param} is not a decodable video: {exc}", param, code="invalid_video") from None
+    with _opened_video(data, param, limits) as (_, stream):
+        return VideoProbe(int(stream.frames), _frame_rate(stream))
 
 
 def decode_video(
@@ -119,26 +110,39 @@ def decode_video(
 ) -> tuple[list[np.ndarray], VideoProbe]:
     """The first video stream's frames whose index is in `keep` (every frame when None) as
     [H, W, 3] uint8 arrays, and what the stream holds, within `limits`."""
+    deadline = time.monotonic() + limits.decode_seconds
+    with _opened_video(data, param, limits) as (container, stream):
+        frames, count = _decode(container, stream, param, limits, deadline, keep)
+        rate = _frame_rate(stream)
+    if not rate:
+        raise InvalidRequestError(f"{param} declares no frame rate", param, code="invalid_video")
+    return frames, VideoProbe(count, rate)
+
+
+@contextmanager
+def _opened_video(data: bytes, param: str, limits: VideoLimits) -> Iterator[tuple[Any, Any]]:
+    """The container and its first video stream, the header checked against `limits`. FFmpeg
+    fails on hostile input in many ways, here or while the caller decodes: all are the input's
+    fault (invalid_video)."""
     if len(data) > limits.max_bytes:
         raise VideoTooLargeError(f"{param} is {len(data)} bytes; a video may have at most {limits.max_bytes}", param)
     import av
 
-    deadline = time.monotonic() + limits.decode_seconds
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
                 raise InvalidRequestError(f"{param} has no video stream", param, code="invalid_video")
             stream = container.streams.video[0]
             _check_header(container, stream, param, limits)
-            frames, count = _decode(container, stream, param, limits, deadline, keep)
-            rate = stream.average_rate or stream.guessed_rate
+            yield container, stream
     except InvalidRequestError:
         raise
-    except Exception as exc:  # noqa: BLE001 - FFmpeg fails on hostile input in many ways: the input's fault
+    except Exception as exc:  # noqa: BLE001 - see above
         raise InvalidRequestError(f"{param} is not a decodable video: {exc}", param, code="invalid_video") from None
-    if not rate:
-        raise InvalidRequestError(f"{param} declares no frame rate", param, code="invalid_video")
-    return frames, VideoProbe(count, float(rate))
+
+
+def _frame_rate(stream) -> float:
+    return float(stream.average_rate or stream.guessed_rate or 0)
 
 
 def _check_header(container, stream, param: str, limits: VideoLimits) -> None:
