@@ -14,7 +14,7 @@ import pytest
 
 from omnistage.bench.soak_traffic import CHAT, Outcome, Traffic, p99
 from omnistage.tests.api.conftest import live_server
-from omnistage.tests.serving.conftest import cmdline, descendants
+from omnistage.tests.reliability.live_workers import holding_replica, worker_pid
 
 STAGES = [
     ("tiny-llm", "llm"),
@@ -33,31 +33,6 @@ KINDS = ("chat", "image", "job", "realtime")
 def server(tmp_path_factory):
     with live_server(tmp_path_factory, ["tiny-llm", "tiny-image", "tiny-omni"], timeout=600) as server:
         yield server
-
-
-def worker_pid(server, pipeline: str, stage: str, replica: int = 0) -> int | None:
-    title = f"omnistage: {pipeline}/{stage}#{replica}"
-    for pid in descendants(server.proc.pid):
-        if cmdline(pid).strip() == title:
-            return pid
-    return None
-
-
-def holding_replica(server, pipeline: str, stage: str, wait_s: float = 3.0) -> int:
-    """A replica of the stage with a request in flight (the stage may have several), waiting up
-    to `wait_s` for one; replica 0 when none does."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-            if (
-                line.startswith("omnistage_stage_inflight_requests{")
-                and f'pipeline="{pipeline}"' in line
-                and f'stage="{stage}"' in line
-                and float(line.rsplit(" ", 1)[1]) > 0
-            ):
-                return int(line.split('replica="', 1)[1].split('"', 1)[0])
-        time.sleep(0.05)
-    return 0
 
 
 def wait_restarted(server, pipeline: str, stage: str, old_pid: int, replica: int = 0, timeout: float = 180) -> float:
@@ -86,7 +61,7 @@ def test_sigkill_of_each_worker_fails_only_what_it_held(server):
     try:
         time.sleep(3.0)
         for pipeline, stage in STAGES:
-            replica = holding_replica(server, pipeline, stage)
+            replica = holding_replica(server, pipeline, stage, wait_s=3.0) or 0
             pid = worker_pid(server, pipeline, stage, replica)
             assert pid, (pipeline, stage, replica)
             t_kill = time.monotonic()

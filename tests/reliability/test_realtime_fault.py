@@ -16,29 +16,13 @@ import pytest
 import websockets
 
 from omnistage.tests.api.conftest import live_server
-from omnistage.tests.serving.conftest import cmdline, descendants
+from omnistage.tests.reliability.live_workers import holding_replica, worker_pid
 
 
 @pytest.fixture(scope="module")
 def omni_server(tmp_path_factory):
     with live_server(tmp_path_factory, ["tiny-omni"], timeout=600) as server:
         yield server
-
-
-def worker_pid(server, stage: str, replica: int) -> int | None:
-    for pid in descendants(server.proc.pid):
-        if cmdline(pid).strip() == f"omnistage: tiny-omni/{stage}#{replica}":
-            return pid
-    return None
-
-
-def holding_replica(server, stage: str) -> int | None:
-    """The replica of `stage` with a request in flight, from /metrics."""
-    prefix = 'omnistage_stage_inflight_requests{pipeline="tiny-omni",replica="'
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(prefix) and f'stage="{stage}"' in line and float(line.rsplit(" ", 1)[1]) > 0:
-            return int(line[len(prefix) :].split('"', 1)[0])
-    return None
 
 
 async def until(ws, kind: str, timeout: float = 180) -> tuple[dict, list[dict]]:
@@ -75,10 +59,10 @@ def test_killing_token2wav_mid_answer_fails_that_response_only(omni_server):
                 await ask(ws, "tell me a long story", 400)
                 await until(ws, "response.created")
                 done = asyncio.ensure_future(until(ws, "response.done"))
-                while not done.done() and (replica := holding_replica(server, "token2wav")) is None:
+                while not done.done() and (replica := holding_replica(server, "tiny-omni", "token2wav")) is None:
                     await asyncio.sleep(0.02)
                 if not done.done():
-                    victim = worker_pid(server, "token2wav", replica)
+                    victim = worker_pid(server, "tiny-omni", "token2wav", replica)
                     break
                 early.append((await done)[0]["response"])
             assert victim, f"token2wav never held a request long enough to be killed: {early}"
@@ -88,7 +72,7 @@ def test_killing_token2wav_mid_answer_fails_that_response_only(omni_server):
             # the worker comes back; the same session answers again
             t0 = time.monotonic()
             while httpx.get(f"{server.url}/ready", timeout=10).status_code != 200 or worker_pid(
-                server, "token2wav", replica
+                server, "tiny-omni", "token2wav", replica
             ) in (None, victim):
                 assert time.monotonic() - t0 < 180, "token2wav not back"
                 await asyncio.sleep(0.1)
