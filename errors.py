@@ -36,12 +36,13 @@ class VideoTooLargeError(InvalidRequestError):
     code = "video_too_large"
 
 
+_CODE_OWNERS = {cls.code: cls for cls in (ContextLengthExceededError, VideoTooLargeError)}
+
+
 def invalid_request(message: str, param: str | None, code: str | None) -> InvalidRequestError:
     """An InvalidRequestError for `code`: of the class that owns the code where one does (its
     HTTP status comes with it), e.g. when a stage's error is rebuilt on this side of a worker."""
-    owners = {cls.code: cls for cls in (ContextLengthExceededError, VideoTooLargeError)}
-    cls = owners.get(code or "", InvalidRequestError)
-    return cls(message, param=param, code=code)
+    return _CODE_OWNERS.get(code or "", InvalidRequestError)(message, param=param, code=code)
 
 
 class OverloadedError(OmnistageError):

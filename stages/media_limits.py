@@ -74,6 +74,23 @@ def check_image_size(width: int, height: int, param: str) -> None:
         raise InvalidRequestError(message, param, code="image_too_large")
 
 
+def open_image(source: bytes | bytearray | str | Path, param: str):
+    """A Pillow image opened from encoded bytes or a path, its declared size checked against
+    MAX_IMAGE_PIXELS from the header, before any pixel is decoded."""
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source)
+    except Image.DecompressionBombError as exc:  # a size so large Pillow refuses to open it
+        raise InvalidRequestError(f"{param} declares too many pixels: {exc}", param, code="image_too_large") from None
+    try:
+        check_image_size(img.width, img.height, param)
+    except InvalidRequestError:
+        img.close()
+        raise
+    return img
+
+
 def check_audio_size(rate: int, seconds: float, param: str) -> None:
     low, high = AUDIO_RATE_RANGE
     if not low <= rate <= high:

@@ -17,7 +17,7 @@ from typing import Any
 from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
 from omnistage.serving.routes.chat_video import video_bytes
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid
-from omnistage.stages.media_limits import MAX_AUDIO_SECONDS, check_audio_size, check_image_size
+from omnistage.stages.media_limits import MAX_AUDIO_SECONDS, check_audio_size, open_image
 
 
 def decode_base64(data: str, param: str) -> bytes:
@@ -34,14 +34,11 @@ def _image_bytes(part: ImagePart, param: str) -> bytes:
     if not url.startswith("data:") or ";base64," not in url:
         raise invalid("image_url.url must be a data:image/...;base64,... URL", param, code="invalid_image_url")
     data = decode_base64(url.split(";base64,", 1)[1], param)
-    from PIL import Image, UnidentifiedImageError
+    from PIL import UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as img:  # reads the header only: the size is known before any pixel
-            check_image_size(img.width, img.height, param)
+        with open_image(data, param) as img:
             img.verify()
-    except Image.DecompressionBombError as exc:  # a size so large Pillow refuses to open it
-        raise invalid(f"{param} declares too many pixels: {exc}", param, code="image_too_large") from exc
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
     return data

@@ -77,15 +77,15 @@ def load_frames(value: Any, pick: Callable[[int, float], np.ndarray] | None = No
     if pick is None:
         frames, probe = decode_video(raw, "videos")
         return np.stack(frames), probe.rate
-    # one decode when the header's frame count holds; else count first, then decode the picks
-    declared = video_header(raw, "videos")
-    if declared.frames and declared.rate:
-        frames, probe = decode_video(raw, "videos", keep={int(i) for i in pick(declared.frames, declared.rate)})
-        if probe.frames == declared.frames:
-            return np.stack(frames), probe.rate
-    probe = check_video(raw, "videos")
-    frames, probe = decode_video(raw, "videos", keep={int(i) for i in pick(probe.frames, probe.rate)})
-    return np.stack(frames), probe.rate
+    # one decode when the header's frame count holds; else the count a decode found, and the
+    # picks decoded again from it
+    probe = video_header(raw, "videos")
+    if not (probe.frames and probe.rate):
+        probe = check_video(raw, "videos")
+    frames, found = decode_video(raw, "videos", keep={int(i) for i in pick(probe.frames, probe.rate)})
+    if found.frames != probe.frames:  # the header's count was wrong
+        frames, found = decode_video(raw, "videos", keep={int(i) for i in pick(found.frames, found.rate)})
+    return np.stack(frames), found.rate
 
 
 def sample_indices(total: int, video_fps: float, fps: float, temporal_patch_size: int) -> np.ndarray:

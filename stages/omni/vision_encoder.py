@@ -16,7 +16,6 @@ packed batch gives each image exactly what it gets alone.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import torch
 from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Port, StageContext, StageRequest
 from omnistage.stages.dynamic import PreparedBatchEngine
-from omnistage.stages.media_limits import check_image_size
+from omnistage.stages.media_limits import open_image
 from omnistage.stages.omni.checkpoint import load_submodule, read_config
 from omnistage.stages.omni.video import VIDEO_FPS, VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS, VideoPatcher, VideoPatches
 from omnistage.stages.params import Param, ParamSet
@@ -75,8 +74,7 @@ def load_image(value: Any):
         if isinstance(value, Image.Image):
             img = value
         elif isinstance(value, (bytes, bytearray, str, Path)):
-            img = Image.open(io.BytesIO(value) if isinstance(value, (bytes, bytearray)) else value)
-            check_image_size(img.width, img.height, "images")  # from the header, before any pixel
+            img = open_image(value, "images")
         elif isinstance(value, (np.ndarray, torch.Tensor)):
             img = Image.fromarray(np.asarray(value, dtype=np.uint8))
         else:
@@ -84,10 +82,6 @@ def load_image(value: Any):
         img.load()
     except InvalidRequestError:
         raise
-    except Image.DecompressionBombError as exc:  # a size so large Pillow refuses to open it
-        raise InvalidRequestError(
-            f"the image declares too many pixels: {exc}", "images", code="image_too_large"
-        ) from None
     except Exception as exc:  # noqa: BLE001 - undecodable input is the request's fault
         raise InvalidRequestError(f"could not read the image ({exc.__class__.__name__})", param="images") from None
     return img.convert("RGB")
