@@ -1,4 +1,5 @@
-"""Fused float32 CPU kernels (kernels/csrc/cpu_fused.cpp), compiled once per machine.
+"""Fused float32 CPU kernels (kernels/csrc/cpu_fused.cpp for the AR decoder, token2wav_fused.cpp
+for the token2wav stage), compiled once per machine.
 
     ops = cpu_fused.load()          # the extension module, or None (no compiler, disabled, ...)
     if ops is not None:
@@ -28,7 +29,7 @@ from types import ModuleType
 log = logging.getLogger("omnistage.kernels")
 
 NAME = "omnistage_cpu_fused"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_fused.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_fused.cpp", "token2wav_fused.cpp")]
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as the eager ops do.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd"]
 
@@ -55,7 +56,12 @@ def _cpu_identity() -> bytes:
 def build_dir() -> Path:
     import torch
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_identity())
+    key = hashlib.sha256(
+        b"".join(s.read_bytes() for s in SOURCES)
+        + " ".join(CFLAGS).encode()
+        + torch.__version__.encode()
+        + _cpu_identity()
+    )
     root = Path(os.environ.get("OMNISTAGE_KERNEL_CACHE", Path.home() / ".cache" / "omnistage" / "kernels"))
     return root / f"cpu_fused-{key.hexdigest()[:16]}"
 
@@ -100,7 +106,7 @@ def _load(verbose: bool) -> ModuleType:
     t0 = time.monotonic()
     # the build directory holds a lock file, so concurrent workers wait for one build
     module = cpp_extension.load(
-        name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(where), verbose=verbose
+        name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, build_directory=str(where), verbose=verbose
     )
     print(f"omnistage: fused CPU kernels built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     tmp = where / f"ready.{os.getpid()}"

@@ -11,9 +11,8 @@ Padding: windows of one forward are padded to the longest (and to whole blocks).
 query never sees a padded key or a key outside the sequence; a padded query sees every key of
 its span (its row stays finite and is dropped), as with the dense mask.
 
-The function is registered with transformers' AttentionInterface, so transformers'
-DiTAttention keeps doing the projections and the rotary embedding; the stage points the
-DiT's config at it and passes a `BlockLayout` as the attention mask.
+This is the eager form (stages/omni/token2wav_dit.py uses it without the fused CPU kernels);
+kernels/csrc/token2wav_fused.cpp computes the same per query block in one call.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-ATTENTION_NAME = "omnistage_dit_blocks"
 
 
 @dataclass(frozen=True)
@@ -78,10 +75,3 @@ def _spans(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     padded = F.pad(x, (0, 0, layout.back * bs, layout.ahead * bs)).view(b, h, -1, bs, d)
     spans = padded.unfold(2, layout.span, 1)  # [b, h, nb, bs, d, span]
     return spans.permute(0, 1, 2, 5, 3, 4).reshape(b, h, layout.num_blocks, layout.span * bs, d)
-
-
-def register() -> str:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, block_attention)
-    return ATTENTION_NAME

@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 
 from omnistage.stages.ar.loader import checkpoint_files
-from omnistage.stages.omni.token2wav_attention import BlockLayout, block_layout, register
+from omnistage.stages.omni.token2wav_dit import PackedDiT
+from omnistage.stages.omni.token2wav_vocoder import PackedBigVGAN
 
 SAMPLE_RATE = 24_000
 
@@ -75,35 +76,14 @@ def rk4_solve(velocity, x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _attention_layouts(
-    dit, lengths: list[int], longest: int, device: torch.device
-) -> dict[tuple[int, int], BlockLayout]:
-    """One block layout per (blocks back, blocks ahead) reach among the DiT's layers, built
-    once per batch (stages/omni/token2wav_attention.py)."""
-    layouts = {}
-    for layer in dit.transformer_blocks:
-        reach = (layer.look_backward_block, layer.look_ahead_block)
-        if reach not in layouts:
-            layouts[reach] = block_layout(lengths, longest, dit.block_size, *reach, device)
-    return layouts
-
-
-def _decoder_layer(layer, h, time_embedding, position_embeddings, mask) -> torch.Tensor:
-    """One `DiTDecoderLayer` with a precomputed attention layout: the layer derives a dense
-    mask from block differences on every call, which cost more than its attention on CPU."""
-    norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer.attn_norm(h, emb=time_embedding)
-    h = h + gate_msa.unsqueeze(1) * layer.attn(norm, position_embeddings=position_embeddings, attention_mask=mask)
-    norm = layer.ff_norm(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-    return h + gate_mlp.unsqueeze(1) * layer.ff(norm)
-
-
 class Token2WavNet:
     """The DiT and BigVGAN of one checkpoint, with its voices, on one device (float32)."""
 
     def __init__(self, dit, bigvgan, voices: dict[str, dict[str, torch.Tensor]], device: torch.device):
         self.dit = dit.to(device=device, dtype=torch.float32).eval()
-        self.dit.config._attn_implementation = register()  # block-local attention (token2wav_attention.py)
         self.bigvgan = bigvgan.to(device=device, dtype=torch.float32).eval()
+        self.packed_dit = PackedDiT(self.dit, device)
+        self.packed_bigvgan = PackedBigVGAN(self.bigvgan, device)
         self.device = device
         cfg = dit.config
         self.block_frames = int(cfg.block_size)
@@ -149,17 +129,8 @@ class Token2WavNet:
             "spk_vec": vec[:, None, :].expand(rows, longest, -1),
         }
 
-    def _dit_forward(self, x, t, cond, position_embeddings, masks) -> torch.Tensor:
-        dit = self.dit
-        rows = cond["code_embed"].shape[0]
-        time_embedding = dit.time_embed(t.reshape(1).repeat(rows))
-        if rows != x.shape[0]:
-            x = torch.cat([x, x])
-        h = dit.input_embed.proj(torch.cat((x, cond["spk_vec"], cond["code_embed"], cond["speaker"]), dim=-1))
-        for layer in dit.transformer_blocks:
-            mask = masks[(layer.look_backward_block, layer.look_ahead_block)]
-            h = _decoder_layer(layer, h, time_embedding, position_embeddings, mask)
-        return dit.proj_out(dit.norm_out(h, time_embedding))
+    def _dit_forward(self, x, t, inputs) -> torch.Tensor:
+        return self.packed_dit.forward(x, t, inputs)
 
     @torch.inference_mode()
     def sample_mels(self, windows: list[DitWindow], settings: OdeSettings) -> list[torch.Tensor]:
@@ -169,23 +140,19 @@ class Token2WavNet:
         longest = max(lengths)
         if longest > self.max_frames:
             raise ValueError(f"a window of {longest} mel frames exceeds the DiT's {self.max_frames}")
-        cfg = settings.guidance_scale >= 1e-5
-        cond = self._conditioning(windows, longest, cfg)
-        rows = cond["code_embed"].shape[0]
+        guided = settings.guidance_scale >= 1e-5
+        inputs = self.packed_dit.prepare(self._conditioning(windows, longest, guided), lengths, guided)
         x = torch.zeros(len(windows), longest, self.mel_dim, device=self.device)
         for i, w in enumerate(windows):
             x[i, : lengths[i]] = w.noise.to(self.device)
-        positions = torch.arange(longest, device=self.device)[None, :].repeat(rows, 1)
-        position_embeddings = self.dit.rotary_embed(x, positions)
-        masks = _attention_layouts(self.dit, lengths * (2 if cfg else 1), longest, self.device)
         scale = settings.guidance_scale
 
         def velocity(t, state):
-            out = self._dit_forward(state, t, cond, position_embeddings, masks)
-            if not cfg:
+            out = self._dit_forward(state, t, inputs)
+            if not guided:
                 return out
-            guided, null = torch.chunk(out, 2, dim=0)
-            return guided + (guided - null) * scale
+            conditioned, null = torch.chunk(out, 2, dim=0)
+            return conditioned + (conditioned - null) * scale
 
         mel = rk4_solve(velocity, x, time_grid(settings, self.device))
         return [mel[i, :n] for i, n in enumerate(lengths)]
@@ -195,7 +162,7 @@ class Token2WavNet:
     def vocode(self, mels: list[torch.Tensor]) -> torch.Tensor:
         """Waveforms [b, frames * samples_per_frame] (CPU) of equally long mel windows."""
         batch = torch.stack(mels).transpose(1, 2)  # [b, mel_dim, frames]
-        return self.bigvgan(batch).reshape(len(mels), -1)
+        return self.packed_bigvgan(batch).cpu()
 
 
 # -- loading ------------------------------------------------------------------------------

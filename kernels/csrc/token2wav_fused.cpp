@@ -1,0 +1,393 @@
+// Fused float32 CPU kernels for the Qwen2.5-Omni token2wav stage: the DiT's per-layer small ops
+// and BigVGAN's anti-aliased Snake activation.
+//
+// Why: the DiT is thin (22 layers; 32 wide in the tiny checkpoints) and runs 36 times per
+// window, so its LayerNorm, modulation, block attention and GELU are a few dozen ATen ops per
+// layer whose dispatch and memory passes cost more than the arithmetic; BigVGAN's activation
+// (replicate pad, a depthwise transposed conv, Snake, pad, a depthwise conv) is ~12 ops that
+// were three quarters of the vocoder's time. Each function here is one pass instead.
+// Products and sums are grouped as the eager ops group them; sums over a row (LayerNorm moments,
+// attention scores, filter taps) run in another order, so results agree to float rounding.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// ATen's vectorized SLEEF functions (exported by libtorch_cpu).
+extern "C" __m512 Sleef_expf16_u10(__m512);
+extern "C" __m512 Sleef_sinf16_u10(__m512);
+extern "C" __m256 Sleef_expf8_u10(__m256);
+extern "C" __m256 Sleef_sinf8_u10(__m256);
+
+namespace {
+
+// One vector type for the build's widest float lanes; loops step W at a time, tails are scalar.
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+using vf = __m512;
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vexp(vf a) { return Sleef_expf16_u10(a); }
+inline vf vsin(vf a) { return Sleef_sinf16_u10(a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline float vtop(vf a) { return _mm512_reduce_max_ps(a); }
+#elif defined(__AVX2__)
+constexpr int64_t W = 8;
+using vf = __m256;
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vexp(vf a) { return Sleef_expf8_u10(a); }
+inline vf vsin(vf a) { return Sleef_sinf8_u10(a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline float vsum(vf a) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, a);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+inline float vtop(vf a) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, a);
+  return *std::max_element(t, t + 8);
+}
+#else
+constexpr int64_t W = 1;
+using vf = float;
+inline vf vload(const float* p) { return *p; }
+inline void vstore(float* p, vf v) { *p = v; }
+inline vf vset(float x) { return x; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vexp(vf a) { return std::exp(a); }
+inline vf vsin(vf a) { return std::sin(a); }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmax(vf a, vf b) { return std::max(a, b); }
+inline vf vdiv(vf a, vf b) { return a / b; }
+inline float vsum(vf a) { return a; }
+inline float vtop(vf a) { return a; }
+#endif
+
+void check_float_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  check_float_cpu(t, name);
+  TORCH_CHECK(t.numel() == n, name, " must hold ", n, " values");
+}
+
+}  // namespace
+
+// DiT pre-norm with modulation, optionally after the gated residual of the previous sub-layer:
+//   h += gate * y                      (when y is given; h updated in place)
+//   out = LayerNorm(h) * (1 + scale) + shift
+// h, y [..., D] contiguous; gate / scale / shift [D] (the step's modulation, the same for every row).
+torch::Tensor dit_norm(torch::Tensor h, const c10::optional<torch::Tensor>& y, const c10::optional<torch::Tensor>& gate,
+                       const torch::Tensor& scale, const torch::Tensor& shift, double eps) {
+  check_float_cpu(h, "h");
+  const int64_t d = h.size(-1), rows = h.numel() / d;
+  check_vector(scale, d, "scale");
+  check_vector(shift, d, "shift");
+  TORCH_CHECK(y.has_value() == gate.has_value(), "y and gate come together");
+  const float* yp = nullptr;
+  const float* gp = nullptr;
+  if (y.has_value()) {
+    check_float_cpu(*y, "y");
+    TORCH_CHECK(y->sizes() == h.sizes(), "y and h differ in shape");
+    check_vector(*gate, d, "gate");
+    yp = y->data_ptr<float>();
+    gp = gate->data_ptr<float>();
+  }
+  auto out = torch::empty_like(h);
+  float* hp = h.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* sc = scale.data_ptr<float>();
+  const float* sh = shift.data_ptr<float>();
+  std::vector<float> one_plus(d);
+  for (int64_t i = 0; i < d; ++i) one_plus[i] = 1.0f + sc[i];
+  const float* opl = one_plus.data();
+  const float e = static_cast<float>(eps), inv_d = 1.0f / static_cast<float>(d);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = hp + r * d;
+      float* o = op + r * d;
+      if (yp != nullptr) {
+        const float* yr = yp + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) x[i] = x[i] + gp[i] * yr[i];
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) sum += x[i];
+      const float mean = sum * inv_d;
+      float var = 0.f;
+#pragma omp simd reduction(+ : var)
+      for (int64_t i = 0; i < d; ++i) var += (x[i] - mean) * (x[i] - mean);
+      const float rstd = 1.0f / std::sqrt(var * inv_d + e);
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] = ((x[i] - mean) * rstd) * opl[i] + sh[i];
+    }
+  });
+  return out;
+}
+
+// GELU with the tanh approximation, in place: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
+// computed as x / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)); SLEEF's
+// tanh costs several times its exp here.
+void gelu_tanh_(torch::Tensor x) {
+  check_float_cpu(x, "x");
+  float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    const vf vb = vset(-2.0f * beta), vk = vset(kappa), one = vset(1.0f);
+    for (; i + W <= end; i += W) {
+      const vf v = vload(p + i);
+      const vf inner = vmul(vb, vadd(v, vmul(vk, vmul(vmul(v, v), v))));
+      vstore(p + i, vdiv(v, vadd(one, vexp(inner))));
+    }
+    for (; i < end; ++i) {
+      const float v = p[i];
+      p[i] = v / (1.0f + std::exp(-2.0f * beta * (v + kappa * (v * v * v))));
+    }
+  });
+}
+
+// The DiT's block-local attention, straight from the fused q|k|v projection.
+//   qkv [R, L, 3 * H * Dh]; cos / sin [L, Dh] (rotate-half tables); lengths [R] (real frames per row)
+// A query in block b attends to the real keys of blocks b - back .. b + ahead (scaled dot product,
+// softmax). Heads below rope_heads get the checkpoint's RoPE first: the head's interleaved pairs
+// (x[2i], x[2i+1]) rotated as transformers does after de-interleaving (the de-interleaved order is
+// a permutation shared by q and k, which leaves their dot products unchanged). Padded queries
+// (at or past their row's length) get zeros. Returns [R, L, H * Dh].
+torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  const torch::Tensor& lengths, int64_t heads, int64_t block, int64_t back,
+                                  int64_t ahead, int64_t rope_heads) {
+  check_float_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, "qkv must be [R, L, 3 * heads * head_dim]");
+  const int64_t rows = qkv.size(0), len = qkv.size(1), dh = qkv.size(2) / (3 * heads), half = dh / 2;
+  TORCH_CHECK(dh % 2 == 0, "head_dim must be even");
+  check_vector(cos, len * dh, "cos");
+  check_vector(sin, len * dh, "sin");
+  TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == torch::kInt64 && lengths.numel() == rows,
+              "lengths must be int64 [R]");
+  TORCH_CHECK(block > 0 && back >= 0 && ahead >= 0 && rope_heads >= 0 && rope_heads <= heads, "bad block layout");
+  auto out = torch::zeros({rows, len, heads * dh}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t nb = (len + block - 1) / block, ld = 3 * heads * dh, span = (1 + back + ahead) * block;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  // Queries sit in vector lanes (W at a time): a key's score for W queries is dh multiply-adds
+  // with the key's values broadcast, and the softmax's max and sum run lane-wise, with no
+  // horizontal reductions. Key and value loops run 4 and 8 wide for independent chains.
+  constexpr int64_t KJ = 4, VD = 8;
+  TORCH_CHECK(dh % VD == 0, "head_dim must be a multiple of ", VD);
+  at::parallel_for(0, rows * heads * nb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> keys((span + KJ) * dh, 0.f), qt(dh * W), tmp(dh * W);
+    std::vector<vf> score(span + KJ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / (heads * nb), h = (task / nb) % heads, qb = task % nb;
+      const int64_t n = std::min<int64_t>(lp[r], len);
+      const int64_t q0 = qb * block, q1 = std::min(std::min(q0 + block, len), n);
+      if (q0 >= q1) continue;  // every query of the block is padding
+      const int64_t k0 = std::max<int64_t>(0, (qb - back) * block), k1 = std::min(n, (qb + 1 + ahead) * block);
+      const int64_t nk = k1 - k0;
+      const bool rope = h < rope_heads;
+      const float* base = src + r * len * ld;
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* k = base + (k0 + j) * ld + (heads + h) * dh;
+        float* kr = keys.data() + j * dh;
+        if (rope) {
+          const float* c = cp + (k0 + j) * dh;
+          const float* s = sp + (k0 + j) * dh;
+          for (int64_t i = 0; i < half; ++i) {
+            kr[i] = k[2 * i] * c[i] - k[2 * i + 1] * s[i];
+            kr[i + half] = k[2 * i + 1] * c[i + half] + k[2 * i] * s[i + half];
+          }
+        } else {
+          std::copy(k, k + dh, kr);
+        }
+      }
+      std::fill(keys.begin() + nk * dh, keys.begin() + (nk + KJ) * dh, 0.f);  // the last group's spare keys
+      for (int64_t g0 = q0; g0 < q1; g0 += W) {
+        const int64_t ng = std::min<int64_t>(W, q1 - g0);
+        // queries transposed [dh, W] (spare lanes repeat the last query)
+        for (int64_t g = 0; g < W; ++g) {
+          const int64_t t = g0 + std::min(g, ng - 1);
+          const float* qs = base + t * ld + h * dh;
+          if (rope) {
+            const float* c = cp + t * dh;
+            const float* s = sp + t * dh;
+            for (int64_t i = 0; i < half; ++i) {
+              qt[i * W + g] = qs[2 * i] * c[i] - qs[2 * i + 1] * s[i];
+              qt[(i + half) * W + g] = qs[2 * i + 1] * c[i + half] + qs[2 * i] * s[i + half];
+            }
+          } else {
+            for (int64_t i = 0; i < dh; ++i) qt[i * W + g] = qs[i];
+          }
+        }
+        const vf vscale = vset(scale);
+        for (int64_t j = 0; j < nk; j += KJ) {
+          vf acc[KJ];
+          for (int64_t jj = 0; jj < KJ; ++jj) acc[jj] = vset(0.f);
+          for (int64_t i = 0; i < dh; ++i) {
+            const vf qi = vload(qt.data() + i * W);
+            for (int64_t jj = 0; jj < KJ; ++jj) acc[jj] = vfma(qi, vset(keys[(j + jj) * dh + i]), acc[jj]);
+          }
+          for (int64_t jj = 0; jj < KJ; ++jj) score[j + jj] = vmul(acc[jj], vscale);
+        }
+        vf top = score[0];
+        for (int64_t j = 1; j < nk; ++j) top = vmax(top, score[j]);
+        vf total = vset(0.f);
+        for (int64_t j = 0; j < nk; ++j) {
+          score[j] = vexp(vsub(score[j], top));
+          total = vadd(total, score[j]);
+        }
+        const vf inv = vdiv(vset(1.0f), total);
+        const float* v0 = base + k0 * ld + (2 * heads + h) * dh;
+        for (int64_t i = 0; i < dh; i += VD) {
+          vf acc[VD];
+          for (int64_t ii = 0; ii < VD; ++ii) acc[ii] = vset(0.f);
+          for (int64_t j = 0; j < nk; ++j) {
+            const float* v = v0 + j * ld + i;
+            for (int64_t ii = 0; ii < VD; ++ii) acc[ii] = vfma(score[j], vset(v[ii]), acc[ii]);
+          }
+          for (int64_t ii = 0; ii < VD; ++ii) vstore(tmp.data() + (i + ii) * W, vmul(acc[ii], inv));
+        }
+        float* o0 = dst + (r * len + g0) * heads * dh + h * dh;
+        for (int64_t g = 0; g < ng; ++g)
+          for (int64_t i = 0; i < dh; ++i) o0[g * heads * dh + i] = tmp[i * W + g];
+      }
+    }
+  });
+  return out;
+}
+
+// BigVGAN's anti-aliased SnakeBeta activation over x [B, C, T]: upsample 2x (replicate pad, the
+// transposed kaiser-sinc filter, times 2), x + inv_beta * sin(alpha_exp * x)^2 per channel, then
+// downsample 2x (replicate pad, the low-pass filter, stride 2). One pass per channel row: the
+// upsampled signal lives only in two phase buffers (even and odd samples), each filtered as a
+// contiguous FIR. alpha_exp = exp(alpha), inv_beta = 1 / (exp(beta) + 1e-9), per channel.
+torch::Tensor snake_antialias(const torch::Tensor& x, const torch::Tensor& alpha_exp, const torch::Tensor& inv_beta,
+                              const torch::Tensor& up_filter, const torch::Tensor& down_filter) {
+  check_float_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 3, "x must be [B, C, T]");
+  const int64_t batch = x.size(0), ch = x.size(1), len = x.size(2);
+  TORCH_CHECK(len > 0, "x must hold samples");
+  check_vector(alpha_exp, ch, "alpha_exp");
+  check_vector(inv_beta, ch, "inv_beta");
+  check_float_cpu(up_filter, "up_filter");
+  check_float_cpu(down_filter, "down_filter");
+  const int64_t ku = up_filter.numel(), kd = down_filter.numel();
+  TORCH_CHECK(ku >= 2 && ku % 2 == 0 && kd >= 2 && kd % 2 == 0, "filters must have an even number of taps");
+  // transformers' UpSample1d(ratio 2): pad, then crop pad_left of the transposed convolution
+  const int64_t up_pad = ku / 2 - 1, up_crop = up_pad * 2 + (ku - 2) / 2;
+  // DownSample1d(ratio 2, even kernel): replicate pad of kd / 2 - 1 on the left
+  const int64_t down_left = kd / 2 - 1, margin = kd / 2 + 1;
+  struct Tap {
+    float w;
+    int64_t off;
+  };
+  // up: output sample 2m + p reads xp[m + off] for the taps of its phase p
+  std::vector<Tap> up_taps[2];
+  for (int64_t p = 0; p < 2; ++p)
+    for (int64_t k = 0; k < ku; ++k)
+      if ((p + up_crop - k) % 2 == 0) up_taps[p].push_back({up_filter.data_ptr<float>()[k], (p + up_crop - k) / 2});
+  for (int64_t p = 0; p < 2; ++p)
+    for (const Tap& t : up_taps[p]) TORCH_CHECK(t.off >= 0 && t.off <= 2 * up_pad, "unexpected up-sampling layout");
+  // down: output t reads phase (k - down_left) mod 2 at m = t + off
+  std::vector<Tap> down_taps[2];
+  for (int64_t k = 0; k < kd; ++k) {
+    const int64_t j = k - down_left;  // sample 2t + j of the activated signal
+    const int64_t p = ((j % 2) + 2) % 2;
+    down_taps[p].push_back({down_filter.data_ptr<float>()[k], (j - p) / 2});
+  }
+  for (int64_t p = 0; p < 2; ++p)
+    for (const Tap& t : down_taps[p]) TORCH_CHECK(t.off >= -margin && t.off <= margin, "unexpected down-sampling layout");
+
+  auto out = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const float* ap = alpha_exp.data_ptr<float>();
+  const float* bp = inv_beta.data_ptr<float>();
+  at::parallel_for(0, batch * ch, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xp(len + 2 * up_pad + W), phase[2] = {std::vector<float>(len + 2 * margin + W),
+                                                             std::vector<float>(len + 2 * margin + W)};
+    for (int64_t row = begin; row < end; ++row) {
+      const float* in = src + row * len;
+      float* o = dst + row * len;
+      const float a = ap[row % ch], ib = bp[row % ch];
+      for (int64_t i = 0; i < len + 2 * up_pad; ++i) xp[i] = in[std::clamp<int64_t>(i - up_pad, 0, len - 1)];
+      for (int64_t p = 0; p < 2; ++p) {
+        float* s = phase[p].data() + margin;
+        const std::vector<Tap>& taps = up_taps[p];
+        int64_t m = 0;
+        const vf two = vset(2.0f), va = vset(a), vb = vset(ib);
+        for (; m + W <= len; m += W) {
+          vf acc = vmul(vset(taps[0].w), vload(xp.data() + m + taps[0].off));
+          for (size_t k = 1; k < taps.size(); ++k)
+            acc = vadd(acc, vmul(vset(taps[k].w), vload(xp.data() + m + taps[k].off)));
+          const vf u = vmul(two, acc);
+          const vf sn = vsin(vmul(u, va));
+          vstore(s + m, vadd(u, vmul(vb, vmul(sn, sn))));
+        }
+        for (; m < len; ++m) {
+          float acc = taps[0].w * xp[m + taps[0].off];
+          for (size_t k = 1; k < taps.size(); ++k) acc += taps[k].w * xp[m + taps[k].off];
+          const float u = 2.0f * acc;
+          const float sn = std::sin(u * a);
+          s[m] = u + ib * (sn * sn);
+        }
+      }
+      // replicate padding of the activated signal: its first sample (even phase, m = 0) on the
+      // left, its last (odd phase, m = len - 1) on the right
+      const float first = phase[0][margin], last = phase[1][margin + len - 1];
+      for (int64_t p = 0; p < 2; ++p) {
+        std::fill(phase[p].begin(), phase[p].begin() + margin, first);
+        std::fill(phase[p].begin() + margin + len, phase[p].end(), last);
+      }
+      int64_t t = 0;
+      for (; t + W <= len; t += W) {
+        vf acc = vset(0.f);
+        for (int64_t p = 0; p < 2; ++p)
+          for (const Tap& tap : down_taps[p])
+            acc = vadd(acc, vmul(vset(tap.w), vload(phase[p].data() + margin + t + tap.off)));
+        vstore(o + t, acc);
+      }
+      for (; t < len; ++t) {
+        float acc = 0.f;
+        for (int64_t p = 0; p < 2; ++p)
+          for (const Tap& tap : down_taps[p]) acc += tap.w * phase[p][margin + t + tap.off];
+        o[t] = acc;
+      }
+    }
+  });
+  return out;
+}
+
+void register_token2wav_kernels(pybind11::module& m) {
+  m.def("dit_norm", &dit_norm, "h += gate * y (optional); LayerNorm(h) * (1 + scale) + shift");
+  m.def("gelu_tanh_", &gelu_tanh_, "GELU (tanh approximation) in place");
+  m.def("dit_block_attention", &dit_block_attention, "the token2wav DiT's block-local attention from fused qkv");
+  m.def("snake_antialias", &snake_antialias, "BigVGAN's anti-aliased SnakeBeta activation");
+}

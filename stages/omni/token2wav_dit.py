@@ -1,0 +1,189 @@
+"""The token2wav DiT's forward with its weights packed for few ops per layer.
+
+transformers' `Qwen2_5OmniToken2WavDiTModel` computes, per layer and ODE evaluation, three
+separate q / k / v projections, an AdaLN linear on a time embedding repeated for every row, a
+mask from block differences, and a dozen element-wise ops around LayerNorm, RoPE and the gated
+residuals. Here, per evaluation:
+
+- the AdaLN vectors of every layer (and the final norm) come from one matrix-vector product on
+  the time embedding: the ODE time is the same for every row, so they are [D] vectors;
+- the input projection's conditioning part (speaker, codes, x-vector) is computed once per
+  solve, so each evaluation projects only the noisy mel, once for both guidance halves;
+- a layer is: norm (gated residual + LayerNorm + modulation), fused q|k|v linear, block-local
+  attention, output linear, norm, linear, GELU, linear.
+
+With the fused CPU kernels (kernels/csrc/token2wav_fused.cpp) the norm, the attention (RoPE
+included) and the GELU are one call each; without them (no compiler, or a GPU) the same steps
+run as eager torch ops. Both agree with transformers' module to float32 rounding
+(tests/omni/test_token2wav_kernels.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.kernels import cpu_fused
+from omnistage.stages.omni.token2wav_attention import BlockLayout, block_attention, block_layout
+
+NORM_EPS = 1e-6  # the DiT's LayerNorms (AdaLayerNormZero, ff_norm, the final norm)
+ROPE_HEADS = 1  # the checkpoint applies RoPE to the first head only
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    qkv_weight: torch.Tensor  # [3 * inner, D]: to_q, to_k, to_v stacked
+    qkv_bias: torch.Tensor
+    out_weight: torch.Tensor
+    out_bias: torch.Tensor
+    ff_in_weight: torch.Tensor
+    ff_in_bias: torch.Tensor
+    ff_out_weight: torch.Tensor
+    ff_out_bias: torch.Tensor
+    back: int  # key blocks before a query's own
+    ahead: int  # key blocks after it
+
+
+@dataclass(frozen=True)
+class Modulation:
+    """One ODE time's AdaLN vectors [D] (shared by every row)."""
+
+    layers: list[tuple[torch.Tensor, ...]]  # shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+    final_scale: torch.Tensor
+    final_shift: torch.Tensor
+
+
+@dataclass
+class SolveInputs:
+    """What stays fixed along one ODE solve of a padded batch of windows."""
+
+    conditioning: torch.Tensor  # [rows, L, D]: input projection of all but the noisy mel, bias included
+    cos: torch.Tensor  # [L, head_dim]
+    sin: torch.Tensor
+    lengths: torch.Tensor  # [rows] int64 (CPU): real frames per row
+    layouts: dict[tuple[int, int], BlockLayout]  # eager attention only
+    guided: bool  # rows = 2 x windows (conditioned, then unconditioned)
+
+
+class PackedDiT:
+    def __init__(self, dit, device: torch.device):
+        self.dit = dit
+        cfg = dit.config
+        self.hidden = int(cfg.hidden_size)
+        self.heads = int(cfg.num_attention_heads)
+        self.head_dim = int(cfg.head_dim)
+        self.mel_dim = int(cfg.mel_dim)
+        self.block = int(cfg.block_size)
+        self.kernels: ModuleType | None = cpu_fused.load() if device.type == "cpu" else None
+        blocks = dit.transformer_blocks
+        self.layers = [
+            PackedLayer(
+                qkv_weight=torch.cat([b.attn.to_q.weight, b.attn.to_k.weight, b.attn.to_v.weight]).detach(),
+                qkv_bias=torch.cat([b.attn.to_q.bias, b.attn.to_k.bias, b.attn.to_v.bias]).detach(),
+                out_weight=b.attn.to_out[0].weight.detach(),
+                out_bias=b.attn.to_out[0].bias.detach(),
+                ff_in_weight=b.ff.ff[0].weight.detach(),
+                ff_in_bias=b.ff.ff[0].bias.detach(),
+                ff_out_weight=b.ff.ff[3].weight.detach(),
+                ff_out_bias=b.ff.ff[3].bias.detach(),
+                back=int(b.look_backward_block),
+                ahead=int(b.look_ahead_block),
+            )
+            for b in blocks
+        ]
+        adaln = [b.attn_norm.linear for b in blocks] + [dit.norm_out.linear]
+        self.adaln_weight = torch.cat([m.weight for m in adaln]).detach()
+        self.adaln_bias = torch.cat([m.bias for m in adaln]).detach()
+        proj = dit.input_embed.proj
+        self.mel_weight = proj.weight[:, : self.mel_dim].detach().contiguous()
+        self.cond_weight = proj.weight[:, self.mel_dim :].detach().contiguous()
+        self.proj_bias = proj.bias.detach()
+
+    # -- per solve ----------------------------------------------------------------------
+    def prepare(self, cond: dict[str, torch.Tensor], lengths: list[int], guided: bool) -> SolveInputs:
+        """cond: per-frame inputs fixed along the ODE ([rows, L, *]: spk_vec, code_embed, speaker)."""
+        features = torch.cat((cond["spk_vec"], cond["code_embed"], cond["speaker"]), dim=-1)
+        conditioning = F.linear(features, self.cond_weight, self.proj_bias)
+        rows, longest = conditioning.shape[:2]
+        positions = torch.arange(longest, device=conditioning.device)[None, :]
+        cos, sin = self.dit.rotary_embed(conditioning, positions)
+        row_lengths = lengths * (2 if guided else 1)
+        layouts = {}
+        if self.kernels is None:
+            for layer in self.layers:
+                reach = (layer.back, layer.ahead)
+                if reach not in layouts:
+                    layouts[reach] = block_layout(row_lengths, longest, self.block, *reach, conditioning.device)
+        return SolveInputs(
+            conditioning=conditioning,
+            cos=cos[0].contiguous(),
+            sin=sin[0].contiguous(),
+            lengths=torch.tensor(row_lengths, dtype=torch.int64),
+            layouts=layouts,
+            guided=guided,
+        )
+
+    def modulation(self, t: torch.Tensor) -> Modulation:
+        emb = self.dit.time_embed(t.reshape(1))  # [1, D]
+        vec = F.linear(F.silu(emb), self.adaln_weight, self.adaln_bias)[0]
+        d = self.hidden
+        layers = [tuple(vec[(6 * i + j) * d : (6 * i + j + 1) * d] for j in range(6)) for i in range(len(self.layers))]
+        tail = vec[6 * len(self.layers) * d :]
+        return Modulation(layers, final_scale=tail[:d], final_shift=tail[d:])
+
+    # -- per evaluation -----------------------------------------------------------------
+    def forward(self, x: torch.Tensor, t: torch.Tensor, inputs: SolveInputs) -> torch.Tensor:
+        """The DiT's output [rows, L, mel_dim] for the noisy mel x [windows, L, mel_dim] at time t."""
+        mod = self.modulation(t)
+        mel = F.linear(x, self.mel_weight)
+        h = inputs.conditioning.clone()
+        h.view(2 if inputs.guided else 1, *mel.shape).add_(mel)
+        residual, gate = None, None
+        for layer, (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) in zip(self.layers, mod.layers):
+            norm = self._norm(h, residual, gate, scale_msa, shift_msa)
+            qkv = F.linear(norm, layer.qkv_weight, layer.qkv_bias)
+            residual = F.linear(self._attention(qkv, inputs, layer), layer.out_weight, layer.out_bias)
+            norm = self._norm(h, residual, gate_msa, scale_mlp, shift_mlp)
+            inner = self._gelu_(F.linear(norm, layer.ff_in_weight, layer.ff_in_bias))
+            residual, gate = F.linear(inner, layer.ff_out_weight, layer.ff_out_bias), gate_mlp
+        norm = self._norm(h, residual, gate, mod.final_scale, mod.final_shift)
+        return self.dit.proj_out(norm)
+
+    def _norm(self, h, residual, gate, scale, shift) -> torch.Tensor:
+        """h += gate * residual (in place, when given); LayerNorm(h) * (1 + scale) + shift."""
+        if self.kernels is not None:
+            return self.kernels.dit_norm(h, residual, gate, scale.contiguous(), shift.contiguous(), NORM_EPS)
+        if residual is not None:
+            h.add_(gate * residual)
+        return F.layer_norm(h, (self.hidden,), eps=NORM_EPS) * (1 + scale) + shift
+
+    def _gelu_(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            self.kernels.gelu_tanh_(x)
+            return x
+        return F.gelu(x, approximate="tanh")
+
+    def _attention(self, qkv: torch.Tensor, inputs: SolveInputs, layer: PackedLayer) -> torch.Tensor:
+        """[rows, L, 3 * inner] -> [rows, L, inner]"""
+        if self.kernels is not None:
+            return self.kernels.dit_block_attention(
+                qkv, inputs.cos, inputs.sin, inputs.lengths, self.heads, self.block, layer.back, layer.ahead, ROPE_HEADS
+            )
+        rows, length, _ = qkv.shape
+        q, k, v = qkv.view(rows, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = _rope_first_heads(q, inputs.cos, inputs.sin), _rope_first_heads(k, inputs.cos, inputs.sin)
+        out, _ = block_attention(None, q, k, v, inputs.layouts[(layer.back, layer.ahead)])
+        return out.reshape(rows, length, self.heads * self.head_dim)
+
+
+def _rope_first_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's RoPE on the first ROPE_HEADS heads of x [rows, heads, L, d], as transformers
+    applies it: de-interleave the head's dims, then rotate-half."""
+    first = x[:, :ROPE_HEADS]
+    first = torch.cat((first[..., 0::2], first[..., 1::2]), dim=-1)
+    half = first.shape[-1] // 2
+    rotated = torch.cat((-first[..., half:], first[..., :half]), dim=-1)
+    return torch.cat((first * cos + rotated * sin, x[:, ROPE_HEADS:]), dim=1)
