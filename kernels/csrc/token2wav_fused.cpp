@@ -197,13 +197,13 @@ torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor&
   float* dst = out.data_ptr<float>();
   const int64_t nb = (len + block - 1) / block, ld = 3 * heads * dh, span = (1 + back + ahead) * block;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  // Queries sit in vector lanes (W at a time): a key's score for W queries is dh multiply-adds
-  // with the key's values broadcast, and the softmax's max and sum run lane-wise, with no
-  // horizontal reductions. Key and value loops run 4 and 8 wide for independent chains.
-  constexpr int64_t KJ = 4, VD = 8;
-  TORCH_CHECK(dh % VD == 0, "head_dim must be a multiple of ", VD);
+  // Scores: queries sit in vector lanes (W at a time), so a key's score for W queries is dh
+  // multiply-adds with the key's values broadcast, and the softmax's max and sum run lane-wise,
+  // with no horizontal reductions; keys go 4 at a time for independent chains.
+  constexpr int64_t KJ = 4;
+  const bool vector_rows = dh % W == 0;  // P V below loads whole rows of values
   at::parallel_for(0, rows * heads * nb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> keys((span + KJ) * dh, 0.f), qt(dh * W), tmp(dh * W);
+    std::vector<float> keys((span + KJ) * dh, 0.f), qt(dh * W);
     std::vector<vf> score(span + KJ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / (heads * nb), h = (task / nb) % heads, qb = task % nb;
@@ -263,20 +263,36 @@ torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor&
           score[j] = vexp(vsub(score[j], top));
           total = vadd(total, score[j]);
         }
-        const vf inv = vdiv(vset(1.0f), total);
+        alignas(64) float inv[W < 4 ? 4 : W];  // the groups of four below may read past a short last group
+        vstore(inv, vdiv(vset(1.0f), total));
+        // P V per query (its weights broadcast from the score lanes, the values' rows as whole
+        // vectors), four queries at a time for independent chains; rows are stored directly
+        const float* probs = reinterpret_cast<const float*>(score.data());  // [key][lane]
         const float* v0 = base + k0 * ld + (2 * heads + h) * dh;
-        for (int64_t i = 0; i < dh; i += VD) {
-          vf acc[VD];
-          for (int64_t ii = 0; ii < VD; ++ii) acc[ii] = vset(0.f);
-          for (int64_t j = 0; j < nk; ++j) {
-            const float* v = v0 + j * ld + i;
-            for (int64_t ii = 0; ii < VD; ++ii) acc[ii] = vfma(score[j], vset(v[ii]), acc[ii]);
-          }
-          for (int64_t ii = 0; ii < VD; ++ii) vstore(tmp.data() + (i + ii) * W, vmul(acc[ii], inv));
-        }
         float* o0 = dst + (r * len + g0) * heads * dh + h * dh;
-        for (int64_t g = 0; g < ng; ++g)
-          for (int64_t i = 0; i < dh; ++i) o0[g * heads * dh + i] = tmp[i * W + g];
+        const int64_t lo = heads * dh;  // one query's output row
+        if (!vector_rows) {
+          for (int64_t g = 0; g < ng; ++g) {
+            float* o = o0 + g * lo;
+            for (int64_t j = 0; j < nk; ++j) {
+              const float pj = probs[j * W + g];
+              for (int64_t i = 0; i < dh; ++i) o[i] += pj * v0[j * ld + i];
+            }
+            for (int64_t i = 0; i < dh; ++i) o[i] *= inv[g];
+          }
+          continue;
+        }
+        for (int64_t i = 0; i < dh; i += W) {
+          for (int64_t g = 0; g < ng; g += 4) {
+            vf acc[4];
+            for (int64_t gg = 0; gg < 4; ++gg) acc[gg] = vset(0.f);
+            for (int64_t j = 0; j < nk; ++j) {
+              const vf v = vload(v0 + j * ld + i);
+              for (int64_t gg = 0; gg < 4; ++gg) acc[gg] = vfma(vset(probs[j * W + g + gg]), v, acc[gg]);
+            }
+            for (int64_t gg = 0; gg < 4 && g + gg < ng; ++gg) vstore(o0 + (g + gg) * lo + i, vmul(acc[gg], vset(inv[g + gg])));
+          }
+        }
       }
     }
   });
