@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from omnistage.errors import InvalidRequestError, OmnistageError
 from omnistage.serving.realtime.audio import SESSION_RATE, AudioFormat
 from omnistage.serving.realtime.conversation import ContentPart, Item
 from omnistage.serving.realtime.events import new_id, server_event
+
+log = logging.getLogger("omnistage.serving.realtime")
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -125,6 +128,9 @@ class ResponseRunner:
             s.reason = s.reason or "client_cancelled"
         except OmnistageError as err:
             s.status, s.error = "failed", {"type": _error_type(err), "code": err.code, "message": str(err)}
+        except Exception:  # noqa: BLE001 - a fault of ours still ends the response: the client waits for its done
+            log.exception("realtime response %s failed", s.id)
+            s.status, s.error = "failed", {"type": "server_error", "code": "server_error", "message": "internal error"}
         await self._finish(ids, part)
 
     async def _start(self, ids: dict[str, Any]) -> None:

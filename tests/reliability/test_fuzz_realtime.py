@@ -517,3 +517,33 @@ def test_a_fault_in_one_event_is_its_error_and_the_session_goes_on(monkeypatch):
     asyncio.run(main())
     assert [e["type"] for e in sent] == ["error", "input_audio_buffer.cleared"], sent
     assert sent[0]["error"]["type"] == "server_error" and sent[0]["error"]["event_id"] == "e1", sent
+
+
+def test_a_fault_in_a_response_still_ends_it_with_response_done(monkeypatch):
+    """A response whose stream fails with an error that is not omnistage's own (a bug) ends
+    with `response.done` (status failed, server_error): a client waiting for it is not left
+    waiting for ever."""
+    from omnistage.serving.realtime.response import ResponseRunner
+
+    async def fault(self, _ids):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ResponseRunner, "_stream", fault)
+    sent: list[dict] = []
+
+    async def collect(event: dict) -> None:
+        sent.append(event)
+
+    async def main():
+        session = RealtimeSession(served=None, send=collect, vad=None)
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+        await session.handle(json.dumps({"type": "conversation.item.create", "item": item}))
+        await session.handle(json.dumps({"type": "response.create"}))
+        await asyncio.wait_for(session.response.task, 10)
+
+    asyncio.run(main())
+    done = [e for e in sent if e["type"] == "response.done"]
+    assert len(done) == 1, [e["type"] for e in sent]
+    response = done[0]["response"]
+    assert response["status"] == "failed", response
+    assert response["status_details"]["error"]["type"] == "server_error", response
