@@ -57,15 +57,15 @@ def decode(stage: Token2WavStage, codes: list[list[int]], steps: int) -> dict:
     """Every request's codes at once; returns seconds, audio per request, mel per request and
     the DiT evaluations counted on the network."""
     evals, mels = [0], {}
-    net = stage.net
-    forward = net._dit_forward
+    dit = stage.net.packed_dit
+    forward = dit.forward
     solves = stage.totals["forwards"]
 
     def counted(*a, **k):
         evals[0] += 1
         return forward(*a, **k)
 
-    net._dit_forward = counted
+    dit.forward = counted
     audio: dict[str, list[torch.Tensor]] = {}
     t0, cpu0 = time.perf_counter(), time.process_time()
     for i, c in enumerate(codes):
@@ -78,7 +78,7 @@ def decode(stage: Token2WavStage, codes: list[list[int]], steps: int) -> dict:
                 raise RuntimeError(em.error)
             audio.setdefault(em.request_id, []).append(em.outputs.get("audio", torch.zeros(0)))
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
-    net._dit_forward = forward
+    del dit.forward  # the class method again
     for rid, state in states.items():
         mels[rid] = torch.cat(state.mel)
     return {

@@ -38,8 +38,6 @@ inline vf vsin(vf a) { return Sleef_sinf16_u35(a); }  // 3.5 ULP: a third cheape
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-inline float vtop(vf a) { return _mm512_reduce_max_ps(a); }
 #elif defined(__AVX2__)
 constexpr int64_t W = 8;
 using vf = __m256;
@@ -54,16 +52,6 @@ inline vf vsin(vf a) { return Sleef_sinf8_u35(a); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-inline float vsum(vf a) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, a);
-  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
-}
-inline float vtop(vf a) {
-  alignas(32) float t[8];
-  _mm256_store_ps(t, a);
-  return *std::max_element(t, t + 8);
-}
 #else
 constexpr int64_t W = 1;
 using vf = float;
@@ -78,8 +66,6 @@ inline vf vsin(vf a) { return std::sin(a); }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline vf vmax(vf a, vf b) { return std::max(a, b); }
 inline vf vdiv(vf a, vf b) { return a / b; }
-inline float vsum(vf a) { return a; }
-inline float vtop(vf a) { return a; }
 #endif
 
 void check_float_cpu(const torch::Tensor& t, const char* name) {
@@ -90,6 +76,16 @@ void check_float_cpu(const torch::Tensor& t, const char* name) {
 void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
   check_float_cpu(t, name);
   TORCH_CHECK(t.numel() == n, name, " must hold ", n, " values");
+}
+
+// The checkpoint's RoPE on one head's interleaved pairs (x[2i], x[2i+1]), written in the
+// de-interleaved order transformers leaves them in: out[i * stride] and out[(i + half) * stride].
+inline void rope_interleaved(const float* x, const float* c, const float* s, int64_t half, float* out,
+                             int64_t stride) {
+  for (int64_t i = 0; i < half; ++i) {
+    out[i * stride] = x[2 * i] * c[i] - x[2 * i + 1] * s[i];
+    out[(i + half) * stride] = x[2 * i + 1] * c[i + half] + x[2 * i] * s[i + half];
+  }
 }
 
 }  // namespace
@@ -218,12 +214,7 @@ torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor&
         const float* k = base + (k0 + j) * ld + (heads + h) * dh;
         float* kr = keys.data() + j * dh;
         if (rope) {
-          const float* c = cp + (k0 + j) * dh;
-          const float* s = sp + (k0 + j) * dh;
-          for (int64_t i = 0; i < half; ++i) {
-            kr[i] = k[2 * i] * c[i] - k[2 * i + 1] * s[i];
-            kr[i + half] = k[2 * i + 1] * c[i + half] + k[2 * i] * s[i + half];
-          }
+          rope_interleaved(k, cp + (k0 + j) * dh, sp + (k0 + j) * dh, half, kr, 1);
         } else {
           std::copy(k, k + dh, kr);
         }
@@ -236,12 +227,7 @@ torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor&
           const int64_t t = g0 + std::min(g, ng - 1);
           const float* qs = base + t * ld + h * dh;
           if (rope) {
-            const float* c = cp + t * dh;
-            const float* s = sp + t * dh;
-            for (int64_t i = 0; i < half; ++i) {
-              qt[i * W + g] = qs[2 * i] * c[i] - qs[2 * i + 1] * s[i];
-              qt[(i + half) * W + g] = qs[2 * i + 1] * c[i + half] + qs[2 * i] * s[i + half];
-            }
+            rope_interleaved(qs, cp + t * dh, sp + t * dh, half, qt.data() + g, W);
           } else {
             for (int64_t i = 0; i < dh; ++i) qt[i * W + g] = qs[i];
           }

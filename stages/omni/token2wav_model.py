@@ -129,9 +129,6 @@ class Token2WavNet:
             "spk_vec": vec[:, None, :].expand(rows, longest, -1),
         }
 
-    def _dit_forward(self, x, t, inputs) -> torch.Tensor:
-        return self.packed_dit.forward(x, t, inputs)
-
     @torch.inference_mode()
     def sample_mels(self, windows: list[DitWindow], settings: OdeSettings) -> list[torch.Tensor]:
         """Solve the ODE for a batch of windows in shared forwards; each window's mel
@@ -148,7 +145,7 @@ class Token2WavNet:
         scale = settings.guidance_scale
 
         def velocity(t, state):
-            out = self._dit_forward(state, t, inputs)
+            out = self.packed_dit.forward(state, t, inputs)
             if not guided:
                 return out
             conditioned, null = torch.chunk(out, 2, dim=0)
