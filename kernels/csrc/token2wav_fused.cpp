@@ -166,50 +166,65 @@ void gelu_tanh_(torch::Tensor x) {
   });
 }
 
-// The DiT's block-local attention, straight from the fused q|k|v projection.
-//   qkv [R, L, 3 * H * Dh]; cos / sin [L, Dh] (rotate-half tables); lengths [R] (real frames per row)
-// A query in block b attends to the real keys of blocks b - back .. b + ahead (scaled dot product,
-// softmax). Heads below rope_heads get the checkpoint's RoPE first: the head's interleaved pairs
-// (x[2i], x[2i+1]) rotated as transformers does after de-interleaving (the de-interleaved order is
-// a permutation shared by q and k, which leaves their dot products unchanged). Padded queries
-// (at or past their row's length) get zeros. Returns [R, L, H * Dh].
+// The DiT's block-local attention, straight from the fused q|k|v projection, over windows laid
+// end to end.
+//   qkv [T, 3 * H * Dh]; starts / lengths [S] (int64): segment s is rows starts[s] .. starts[s] +
+//   lengths[s], one window (positions and blocks count from its first row); cos / sin [P, Dh]
+//   (rotate-half tables by position, P >= every length)
+// A query in block b of its segment attends to the segment's keys in blocks b - back .. b + ahead
+// (scaled dot product, softmax). Heads below rope_heads get the checkpoint's RoPE first: the
+// head's interleaved pairs (x[2i], x[2i+1]) rotated as transformers does after de-interleaving
+// (the de-interleaved order is a permutation shared by q and k, which leaves their dot products
+// unchanged). Rows outside every segment get zeros. Returns [T, H * Dh].
 torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                                  const torch::Tensor& lengths, int64_t heads, int64_t block, int64_t back,
-                                  int64_t ahead, int64_t rope_heads) {
+                                  const torch::Tensor& starts, const torch::Tensor& lengths, int64_t heads,
+                                  int64_t block, int64_t back, int64_t ahead, int64_t rope_heads) {
   check_float_cpu(qkv, "qkv");
-  TORCH_CHECK(qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, "qkv must be [R, L, 3 * heads * head_dim]");
-  const int64_t rows = qkv.size(0), len = qkv.size(1), dh = qkv.size(2) / (3 * heads), half = dh / 2;
+  TORCH_CHECK(qkv.dim() == 2 && heads > 0 && qkv.size(1) % (3 * heads) == 0, "qkv must be [T, 3 * heads * head_dim]");
+  const int64_t total = qkv.size(0), dh = qkv.size(1) / (3 * heads), half = dh / 2;
   TORCH_CHECK(dh % 2 == 0, "head_dim must be even");
-  check_vector(cos, len * dh, "cos");
-  check_vector(sin, len * dh, "sin");
-  TORCH_CHECK(lengths.device().is_cpu() && lengths.scalar_type() == torch::kInt64 && lengths.numel() == rows,
-              "lengths must be int64 [R]");
+  check_float_cpu(cos, "cos");
+  check_float_cpu(sin, "sin");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dh && sin.sizes() == cos.sizes(), "cos and sin must be [P, head_dim]");
+  for (const auto* t : {&starts, &lengths}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous(),
+                "starts and lengths must be int64 [S]");
+  }
+  TORCH_CHECK(starts.numel() == lengths.numel(), "starts and lengths differ in size");
   TORCH_CHECK(block > 0 && back >= 0 && ahead >= 0 && rope_heads >= 0 && rope_heads <= heads, "bad block layout");
-  auto out = torch::zeros({rows, len, heads * dh}, qkv.options());
+  const int64_t* sp0 = starts.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  // (segment, query block) pairs: the parallel tasks, times heads
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t s = 0; s < starts.numel(); ++s) {
+    TORCH_CHECK(sp0[s] >= 0 && lp[s] >= 0 && sp0[s] + lp[s] <= total, "segment ", s, " lies outside qkv");
+    TORCH_CHECK(lp[s] <= cos.size(0), "segment ", s, " is longer than the cos / sin tables");
+    for (int64_t qb = 0; qb * block < lp[s]; ++qb) items.emplace_back(s, qb);
+  }
+  auto out = torch::zeros({total, heads * dh}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  const int64_t* lp = lengths.data_ptr<int64_t>();
   float* dst = out.data_ptr<float>();
-  const int64_t nb = (len + block - 1) / block, ld = 3 * heads * dh, span = (1 + back + ahead) * block;
+  const int64_t ld = 3 * heads * dh, span = (1 + back + ahead) * block;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   // Scores: queries sit in vector lanes (W at a time), so a key's score for W queries is dh
   // multiply-adds with the key's values broadcast, and the softmax's max and sum run lane-wise,
   // with no horizontal reductions; keys go 4 at a time for independent chains.
   constexpr int64_t KJ = 4;
   const bool vector_rows = dh % W == 0;  // P V below loads whole rows of values
-  at::parallel_for(0, rows * heads * nb, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, num_items * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> keys((span + KJ) * dh, 0.f), qt(dh * W);
     std::vector<vf> score(span + KJ);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / (heads * nb), h = (task / nb) % heads, qb = task % nb;
-      const int64_t n = std::min<int64_t>(lp[r], len);
-      const int64_t q0 = qb * block, q1 = std::min(std::min(q0 + block, len), n);
-      if (q0 >= q1) continue;  // every query of the block is padding
+      const auto [seg, qb] = items[task / heads];
+      const int64_t h = task % heads, n = lp[seg];
+      const int64_t q0 = qb * block, q1 = std::min(q0 + block, n);
       const int64_t k0 = std::max<int64_t>(0, (qb - back) * block), k1 = std::min(n, (qb + 1 + ahead) * block);
       const int64_t nk = k1 - k0;
       const bool rope = h < rope_heads;
-      const float* base = src + r * len * ld;
+      const float* base = src + sp0[seg] * ld;
       for (int64_t j = 0; j < nk; ++j) {
         const float* k = base + (k0 + j) * ld + (heads + h) * dh;
         float* kr = keys.data() + j * dh;
@@ -255,7 +270,7 @@ torch::Tensor dit_block_attention(const torch::Tensor& qkv, const torch::Tensor&
         // vectors), four queries at a time for independent chains; rows are stored directly
         const float* probs = reinterpret_cast<const float*>(score.data());  // [key][lane]
         const float* v0 = base + k0 * ld + (2 * heads + h) * dh;
-        float* o0 = dst + (r * len + g0) * heads * dh + h * dh;
+        float* o0 = dst + (sp0[seg] + g0) * heads * dh + h * dh;
         const int64_t lo = heads * dh;  // one query's output row
         if (!vector_rows) {
           for (int64_t g = 0; g < ng; ++g) {

@@ -6,7 +6,7 @@ non-streaming edge works too). Output `audio` (streaming): float32 mono waveform
 
 Each step gathers the DiT windows that are ready across requests (oldest request first, one
 window per request, or up to `windows_per_request`; windows of different voices, lengths and
-requests share one padded forward), solves their ODE together, then vocodes every request's
+requests share one forward, laid end to end), solves their ODE together, then vocodes every request's
 newly final mel frames and emits the audio. A request waiting for codes holds nobody up: it
 simply has no ready window. See docs/omni.md ("token2wav") for the window rules.
 """

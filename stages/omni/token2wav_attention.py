@@ -7,7 +7,7 @@ may see, as one batched product over [windows, heads, blocks, 24, span * 24]. Th
 runs over exactly the allowed keys, which equals the dense masked softmax up to float
 summation order.
 
-Padding: windows of one forward are padded to the longest (and to whole blocks). A real
+Padding: the windows are scattered into a padded batch (the longest, in whole blocks). A real
 query never sees a padded key or a key outside the sequence; a padded query sees every key of
 its span (its row stays finite and is dropped), as with the dense mask.
 

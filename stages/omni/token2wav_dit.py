@@ -10,7 +10,10 @@ residuals. Here, per evaluation:
 - the input projection's conditioning part (speaker, codes, x-vector) is computed once per
   solve, so each evaluation projects only the noisy mel, once for both guidance halves;
 - a layer is: norm (gated residual + LayerNorm + modulation), fused q|k|v linear, block-local
-  attention, output linear, norm, linear, GELU, linear.
+  attention, output linear, norm, linear, GELU, linear;
+- the windows of a batch lie end to end as rows [frames, D], with no padding: only attention
+  mixes frames, and it runs within each window. Without the kernels the attention scatters the
+  windows into a padded batch for the eager block attention.
 
 With the fused CPU kernels (kernels/csrc/token2wav_fused.cpp) the norm, the attention (RoPE
 included) and the GELU are one call each; without them (no compiler, or a GPU) the same steps
@@ -20,6 +23,7 @@ run as eager torch ops. Both agree with transformers' module to float32 rounding
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -56,16 +60,31 @@ class Modulation:
     final_shift: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PaddedView:
+    """The segments as a padded [segments, longest] batch, for the eager block attention."""
+
+    segment: torch.Tensor  # [rows] int64: each row's segment
+    position: torch.Tensor  # [rows] int64: its position there
+    longest: int
+    layouts: dict[tuple[int, int], BlockLayout]
+
+
 @dataclass
 class SolveInputs:
-    """What stays fixed along one ODE solve of a padded batch of windows."""
+    """What stays fixed along one ODE solve of a batch of windows laid end to end.
 
-    conditioning: torch.Tensor  # [rows, L, D]: input projection of all but the noisy mel, bias included
-    cos: torch.Tensor  # [L, head_dim]
+    Rows are frames: the windows' frames one after another ([frames] = sum of their lengths),
+    then, with guidance, the same again for the unconditioned half. Every op but attention is
+    per row; attention runs per segment (one window of one half)."""
+
+    conditioning: torch.Tensor  # [rows, D]: input projection of all but the noisy mel, bias included
+    cos: torch.Tensor  # [longest, head_dim]: by position within a window
     sin: torch.Tensor
-    lengths: torch.Tensor  # [rows] int64 (CPU): real frames per row
-    layouts: dict[tuple[int, int], BlockLayout]  # eager attention only
-    guided: bool  # rows = 2 x windows (conditioned, then unconditioned)
+    starts: torch.Tensor  # [segments] int64 (CPU): each segment's first row
+    lengths: torch.Tensor  # [segments] int64 (CPU): its frames
+    padded: PaddedView | None  # eager attention only
+    guided: bool
 
 
 class PackedDiT:
@@ -104,25 +123,32 @@ class PackedDiT:
 
     # -- per solve ----------------------------------------------------------------------
     def prepare(self, cond: dict[str, torch.Tensor], lengths: list[int], guided: bool) -> SolveInputs:
-        """cond: per-frame inputs fixed along the ODE ([rows, L, *]: spk_vec, code_embed, speaker)."""
+        """cond: per-row inputs fixed along the ODE ([rows, *]: spk_vec, code_embed, speaker),
+        rows laid out as SolveInputs describes; lengths: each window's frames."""
         features = torch.cat((cond["spk_vec"], cond["code_embed"], cond["speaker"]), dim=-1)
         conditioning = F.linear(features, self.cond_weight, self.proj_bias)
-        rows, longest = conditioning.shape[:2]
-        positions = torch.arange(longest, device=conditioning.device)[None, :]
-        cos, sin = self.dit.rotary_embed(conditioning, positions)
-        row_lengths = lengths * (2 if guided else 1)
-        layouts = {}
+        device = conditioning.device
+        longest = max(lengths)
+        segment_lengths = lengths * (2 if guided else 1)
+        starts = [0, *itertools.accumulate(segment_lengths[:-1])]
+        cos, sin = self.dit.rotary_embed(conditioning, torch.arange(longest, device=device)[None, :])
+        padded = None
         if self.kernels is None:
+            layouts = {}
             for layer in self.layers:
                 reach = (layer.back, layer.ahead)
                 if reach not in layouts:
-                    layouts[reach] = block_layout(row_lengths, longest, self.block, *reach, conditioning.device)
+                    layouts[reach] = block_layout(segment_lengths, longest, self.block, *reach, device)
+            segment = torch.repeat_interleave(torch.arange(len(segment_lengths)), torch.tensor(segment_lengths))
+            position = torch.cat([torch.arange(n) for n in segment_lengths])
+            padded = PaddedView(segment.to(device), position.to(device), longest, layouts)
         return SolveInputs(
             conditioning=conditioning,
             cos=cos[0].contiguous(),
             sin=sin[0].contiguous(),
-            lengths=torch.tensor(row_lengths, dtype=torch.int64),
-            layouts=layouts,
+            starts=torch.tensor(starts, dtype=torch.int64),
+            lengths=torch.tensor(segment_lengths, dtype=torch.int64),
+            padded=padded,
             guided=guided,
         )
 
@@ -136,7 +162,7 @@ class PackedDiT:
 
     # -- per evaluation -----------------------------------------------------------------
     def forward(self, x: torch.Tensor, t: torch.Tensor, inputs: SolveInputs) -> torch.Tensor:
-        """The DiT's output [rows, L, mel_dim] for the noisy mel x [windows, L, mel_dim] at time t."""
+        """The DiT's output [rows, mel_dim] for the noisy mel x [frames, mel_dim] at time t."""
         mod = self.modulation(t)
         mel = F.linear(x, self.mel_weight)
         h = inputs.conditioning.clone()
@@ -167,16 +193,17 @@ class PackedDiT:
         return F.gelu(x, approximate="tanh")
 
     def _attention(self, qkv: torch.Tensor, inputs: SolveInputs, layer: PackedLayer) -> torch.Tensor:
-        """[rows, L, 3 * inner] -> [rows, L, inner]"""
+        """[rows, 3 * inner] -> [rows, inner]"""
         if self.kernels is not None:
-            return self.kernels.dit_block_attention(
-                qkv, inputs.cos, inputs.sin, inputs.lengths, self.heads, self.block, layer.back, layer.ahead, ROPE_HEADS
-            )
-        rows, length, _ = qkv.shape
-        q, k, v = qkv.view(rows, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            layout = (self.heads, self.block, layer.back, layer.ahead, ROPE_HEADS)
+            return self.kernels.dit_block_attention(qkv, inputs.cos, inputs.sin, inputs.starts, inputs.lengths, *layout)
+        view = inputs.padded
+        grid = qkv.new_zeros(len(inputs.lengths), view.longest, qkv.shape[-1])
+        grid[view.segment, view.position] = qkv
+        q, k, v = grid.view(*grid.shape[:2], 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = _rope_first_heads(q, inputs.cos, inputs.sin), _rope_first_heads(k, inputs.cos, inputs.sin)
-        out, _ = block_attention(None, q, k, v, inputs.layouts[(layer.back, layer.ahead)])
-        return out.reshape(rows, length, self.heads * self.head_dim)
+        out, _ = block_attention(None, q, k, v, view.layouts[(layer.back, layer.ahead)])
+        return out[view.segment, view.position].reshape(-1, self.heads * self.head_dim)
 
 
 def _rope_first_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

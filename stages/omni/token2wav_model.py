@@ -3,8 +3,8 @@
 The network modules are transformers' own (`Qwen2_5OmniToken2WavDiTModel`,
 `Qwen2_5OmniToken2WavBigVGANModel`); this module composes their parts so that one forward
 carries several windows of different requests: each window has its own codes, noise slice,
-voice and length, padded to the batch's longest with the padding masked out of attention
-(attention is the DiT's only op that mixes positions). The ODE (fixed-grid RK4 with the
+voice and length, and the windows lie end to end, attention (the DiT's only op that mixes
+positions) running per window. The ODE (fixed-grid RK4 with the
 model's sway-shifted time grid and classifier-free guidance) is run here, as the model
 defines it, so a window's mel depends only on its own codes and noise.
 """
@@ -107,41 +107,34 @@ class Token2WavNet:
         )
 
     # -- DiT ------------------------------------------------------------------------------
-    def _conditioning(self, windows: list[DitWindow], longest: int, cfg: bool) -> dict[str, torch.Tensor]:
-        """Per-frame inputs that stay fixed along the ODE: [2b or b, L, *] (conditioned rows
-        first, then the unconditioned ones when guidance is on)."""
+    def _conditioning(self, windows: list[DitWindow], cfg: bool) -> dict[str, torch.Tensor]:
+        """Per-frame inputs that stay fixed along the ODE, the windows' frames end to end:
+        [frames] rows, or [2 * frames] with guidance (conditioned rows first, then the
+        unconditioned ones)."""
         dev = self.device
-        codes = torch.zeros(len(windows), longest // self.repeats, dtype=torch.long, device=dev)
-        for i, w in enumerate(windows):
-            codes[i, : w.codes.numel()] = w.codes.to(dev)
+        codes = torch.cat([w.codes.to(dev) for w in windows])[None]
+        lengths = torch.tensor([w.noise.shape[0] for w in windows], device=dev)
         embed = self.dit.text_embed
-        code_embed = embed(codes)
-        spk = torch.stack([w.voice.cond for w in windows])
-        vec = torch.stack([w.voice.spk_vec for w in windows])
+        code_embed = embed(codes)[0]
+        spk = torch.repeat_interleave(torch.stack([w.voice.cond for w in windows]), lengths, dim=0)
+        vec = torch.repeat_interleave(torch.stack([w.voice.spk_vec for w in windows]), lengths, dim=0)
         if cfg:
-            code_embed = torch.cat([code_embed, embed(codes, drop_code=True)])
+            code_embed = torch.cat([code_embed, embed(codes, drop_code=True)[0]])
             spk = torch.cat([spk, torch.zeros_like(spk)])
-            vec = torch.cat([vec, torch.stack([w.voice.null_spk_vec for w in windows])])
-        rows = code_embed.shape[0]
-        return {
-            "code_embed": code_embed,
-            "speaker": spk[:, None, :].expand(rows, longest, -1),
-            "spk_vec": vec[:, None, :].expand(rows, longest, -1),
-        }
+            null = torch.stack([w.voice.null_spk_vec for w in windows])
+            vec = torch.cat([vec, torch.repeat_interleave(null, lengths, dim=0)])
+        return {"code_embed": code_embed, "speaker": spk, "spk_vec": vec}
 
     @torch.inference_mode()
     def sample_mels(self, windows: list[DitWindow], settings: OdeSettings) -> list[torch.Tensor]:
-        """Solve the ODE for a batch of windows in shared forwards; each window's mel
-        [frames, mel_dim] (on the device)."""
+        """Solve the ODE for a batch of windows in shared forwards, laid end to end (no
+        padding); each window's mel [frames, mel_dim] (on the device)."""
         lengths = [w.noise.shape[0] for w in windows]
-        longest = max(lengths)
-        if longest > self.max_frames:
-            raise ValueError(f"a window of {longest} mel frames exceeds the DiT's {self.max_frames}")
+        if max(lengths) > self.max_frames:
+            raise ValueError(f"a window of {max(lengths)} mel frames exceeds the DiT's {self.max_frames}")
         guided = settings.guidance_scale >= 1e-5
-        inputs = self.packed_dit.prepare(self._conditioning(windows, longest, guided), lengths, guided)
-        x = torch.zeros(len(windows), longest, self.mel_dim, device=self.device)
-        for i, w in enumerate(windows):
-            x[i, : lengths[i]] = w.noise.to(self.device)
+        inputs = self.packed_dit.prepare(self._conditioning(windows, guided), lengths, guided)
+        x = torch.cat([w.noise.to(self.device) for w in windows])
         scale = settings.guidance_scale
 
         def velocity(t, state):
@@ -152,7 +145,7 @@ class Token2WavNet:
             return conditioned + (conditioned - null) * scale
 
         mel = rk4_solve(velocity, x, time_grid(settings, self.device))
-        return [mel[i, :n] for i, n in enumerate(lengths)]
+        return list(torch.split(mel, lengths))
 
     # -- BigVGAN --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -45,6 +45,30 @@ def test_gelu_tanh_matches_torch(ops):
     assert torch.isfinite(got).all()
 
 
+def test_block_attention_segments_are_independent_windows(ops):
+    """Segments anywhere in qkv: each one's output is its own attention alone (positions from its
+    first row), rows outside every segment are zeros, and a segment outside qkv is an error."""
+    heads, dh, block = 2, 16, 24
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(120, 3 * heads * dh, generator=g)
+    cos, sin = torch.randn(64, dh, generator=g), torch.randn(64, dh, generator=g)
+    segments = [(70, 50), (3, 30), (40, 24)]
+    starts, lengths = (torch.tensor(c, dtype=torch.int64) for c in zip(*segments))
+    got = ops.dit_block_attention(qkv, cos, sin, starts, lengths, heads, block, 1, 1, 1)
+    covered = torch.zeros(120, dtype=torch.bool)
+    for start, n in segments:
+        alone = ops.dit_block_attention(
+            qkv[start : start + n].contiguous(), cos, sin, torch.tensor([0]), torch.tensor([n]), heads, block, 1, 1, 1
+        )
+        assert torch.equal(got[start : start + n], alone)
+        covered[start : start + n] = True
+    assert not got[~covered].any() and got[covered].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="outside qkv"):
+        ops.dit_block_attention(qkv, cos, sin, torch.tensor([100]), torch.tensor([30]), heads, block, 0, 0, 1)
+    with pytest.raises(RuntimeError, match="longer than the cos"):
+        ops.dit_block_attention(qkv, cos, sin, torch.tensor([0]), torch.tensor([100]), heads, block, 0, 0, 1)
+
+
 def _dit_config(heads: int, head_dim: int) -> Qwen2_5OmniDiTConfig:
     cfg = Qwen2_5OmniDiTConfig(
         hidden_size=heads * head_dim, num_attention_heads=heads, head_dim=head_dim, num_hidden_layers=4,
@@ -67,8 +91,9 @@ def _random_dit(cfg, seed: int):
 @pytest.mark.parametrize("heads,head_dim", [(2, 16), (4, 8)])
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "eager"])
 def test_packed_dit_forward_equals_transformers_per_window(ops, heads, head_dim, use_kernels):
-    """Windows of different lengths padded into one guided batch: each window's DiT output
-    equals transformers' forward of that window alone (its own length, a dense block mask)."""
+    """Windows of different lengths laid end to end in one guided batch: each window's DiT
+    output equals transformers' forward of that window alone (its own length, a dense block
+    mask)."""
     cfg = _dit_config(heads, head_dim)
     dit = _random_dit(cfg, seed=heads)
     packed = PackedDiT(dit, torch.device("cpu"))
@@ -76,36 +101,37 @@ def test_packed_dit_forward_equals_transformers_per_window(ops, heads, head_dim,
         packed.kernels = None
     g = torch.Generator().manual_seed(1)
     lengths = [72, 50, 24, 8]  # whole blocks, a partial last block, one block, less than one
-    longest, n = max(lengths), len(lengths)
+    n, frames = len(lengths), sum(lengths)
     codes = [torch.randint(0, cfg.num_embeds, (length // cfg.repeats,), generator=g) for length in lengths]
     spk = torch.randn(n, cfg.enc_emb_dim, generator=g)
     ref_mel = torch.randn(n, 30, cfg.mel_dim, generator=g)
-    x = torch.randn(n, longest, cfg.mel_dim, generator=g)
+    x = torch.randn(frames, cfg.mel_dim, generator=g)
     t = torch.tensor(0.37)
+    per_frame = torch.tensor(lengths)
     with torch.inference_mode():
         vec = dit.input_embed.spk_encoder(ref_mel)
         null_vec = dit.input_embed.spk_encoder(torch.zeros_like(ref_mel))
-        code_ids = torch.zeros(n, longest // cfg.repeats, dtype=torch.long)
-        for i, c in enumerate(codes):
-            code_ids[i, : c.numel()] = c
-        code_embed = torch.cat([dit.text_embed(code_ids), dit.text_embed(code_ids, drop_code=True)])
-        rows = 2 * n
+        code_ids = torch.cat(codes)[None]
         cond = {
-            "code_embed": code_embed,
-            "speaker": torch.cat([spk, torch.zeros_like(spk)])[:, None].expand(rows, longest, -1),
-            "spk_vec": torch.cat([vec, null_vec])[:, None].expand(rows, longest, -1),
+            "code_embed": torch.cat([dit.text_embed(code_ids)[0], dit.text_embed(code_ids, drop_code=True)[0]]),
+            "speaker": torch.cat([spk, torch.zeros_like(spk)]).repeat_interleave(per_frame.repeat(2), dim=0),
+            "spk_vec": torch.cat([vec, null_vec]).repeat_interleave(per_frame.repeat(2), dim=0),
         }
         got = packed.forward(x, t, packed.prepare(cond, lengths, guided=True))
+        assert got.shape == (2 * frames, cfg.mel_dim)
+        start = 0
         for i, length in enumerate(lengths):
             want = dit(
-                hidden_states=x[i : i + 1, :length],
+                hidden_states=x[None, start : start + length],
                 condition_vector=ref_mel[i : i + 1],
                 speaker_embedding=spk[i : i + 1, None].expand(1, length, -1),
                 quantized_code=codes[i][None],
                 time_step=t,
             )  # [2, length, mel]: conditioned, unconditioned
-            for half, row in ((0, i), (1, n + i)):
-                torch.testing.assert_close(got[row, :length], want[half, :length], rtol=1e-4, atol=2e-5)
+            for half in (0, 1):
+                row = half * frames + start
+                torch.testing.assert_close(got[row : row + length], want[half], rtol=1e-4, atol=2e-5)
+            start += length
 
 
 def _snake_activation(channels: int, seed: int):
