@@ -156,6 +156,34 @@ def test_snake_antialias_equals_transformers_activation(ops, length):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cout", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("length", [1, 13, 64, 301])
+def test_conv1d_narrow_equals_torch_conv(ops, cout, length):
+    g = torch.Generator().manual_seed(cout * 1000 + length)
+    cin = 2 if cout == 1 else cout
+    for taps, dilation in ((11, 1), (7, 3), (3, 5)):
+        x = torch.randn(2, cin, length, generator=g)
+        w = torch.randn(cout, cin, taps, generator=g)
+        b, res = torch.randn(cout, generator=g), torch.randn(2, cout, length, generator=g)
+        padding = dilation * (taps - 1) // 2
+        # against float64: up to 16 x 11 products of unit size, summed in another order than ATen's
+        exact = F.conv1d(x.double(), w.double(), b.double(), padding=padding, dilation=dilation)
+        got = ops.conv1d_narrow(x, w, b, dilation, res)
+        torch.testing.assert_close(got.double(), res.double() + exact, rtol=0, atol=5e-5)
+        got = ops.conv1d_narrow(x, w, None, dilation, None)
+        torch.testing.assert_close(got.double(), exact - b.double()[:, None], rtol=0, atol=5e-5)
+
+
+def test_conv1d_narrow_rejects_what_it_does_not_compute(ops):
+    x = torch.randn(1, 3, 20)
+    with pytest.raises(RuntimeError, match="output channels"):
+        ops.conv1d_narrow(x, torch.randn(3, 3, 3), None, 1, None)
+    with pytest.raises(RuntimeError, match="taps must be odd"):
+        ops.conv1d_narrow(x, torch.randn(2, 3, 4), None, 1, None)
+    with pytest.raises(RuntimeError, match="res must be"):
+        ops.conv1d_narrow(x, torch.randn(2, 3, 3), None, 1, torch.randn(1, 2, 19))
+
+
 def test_packed_bigvgan_equals_transformers(ops):
     from transformers import Qwen2_5OmniBigVGANConfig
 
@@ -167,6 +195,7 @@ def test_packed_bigvgan_equals_transformers(ops):
     mel = torch.randn(2, 80, 30, generator=torch.Generator().manual_seed(4))
     fused = PackedBigVGAN(net, torch.device("cpu"))
     assert len(fused.constants) == 6 * 3 * 6 + 1  # every anti-aliased activation runs fused
+    assert len(fused.narrow) == 5 * 3 * 6 + 1  # the resblocks at 16..1 channels and conv_post
     with torch.inference_mode():
         want = torch.stack([net(mel[i : i + 1]) for i in range(2)])
         got = fused(mel)
