@@ -1,5 +1,5 @@
 """Fused float32 CPU kernels (kernels/csrc/cpu_fused.cpp for the AR decoder, token2wav_fused.cpp
-for the token2wav stage), compiled once per machine.
+and token2wav_dit_layer.cpp for the token2wav stage), compiled once per machine.
 
     ops = cpu_fused.load()          # the extension module, or None (no compiler, disabled, ...)
     if ops is not None:
@@ -29,7 +29,9 @@ from types import ModuleType
 log = logging.getLogger("omnistage.kernels")
 
 NAME = "omnistage_cpu_fused"
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_fused.cpp", "token2wav_fused.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+SOURCES = [_CSRC / name for name in ("cpu_fused.cpp", "token2wav_fused.cpp", "token2wav_dit_layer.cpp")]
+HEADERS = [_CSRC / "t2w_simd.h"]
 # -ffp-contract=off: no fused multiply-adds, so products and sums round as the eager ops do.
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd"]
 
@@ -57,7 +59,7 @@ def build_dir() -> Path:
     import torch
 
     key = hashlib.sha256(
-        b"".join(s.read_bytes() for s in SOURCES)
+        b"".join(s.read_bytes() for s in SOURCES + HEADERS)
         + " ".join(CFLAGS).encode()
         + torch.__version__.encode()
         + _cpu_identity()

@@ -200,6 +200,7 @@ void qk_norm_rope_(torch::Tensor& x, int64_t q_heads, const torch::Tensor& q_wei
 
 // kernels/csrc/token2wav_fused.cpp
 void register_token2wav_kernels(pybind11::module& m);
+void register_token2wav_layer_kernels(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qk_norm_rope_", &qk_norm_rope_, "per-head q/k RMSNorm then rotate-half RoPE, in place");
@@ -208,4 +209,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "y += residual; return RMSNorm(y)");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
   register_token2wav_kernels(m);
+  register_token2wav_layer_kernels(m);
 }

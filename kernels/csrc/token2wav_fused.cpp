@@ -15,68 +15,11 @@
 #include <cmath>
 #include <vector>
 
-// ATen's vectorized SLEEF functions (exported by libtorch_cpu).
-extern "C" __m512 Sleef_expf16_u10(__m512);
-extern "C" __m512 Sleef_sinf16_u35(__m512);
-extern "C" __m256 Sleef_expf8_u10(__m256);
-extern "C" __m256 Sleef_sinf8_u35(__m256);
+#include "t2w_simd.h"
+
+using namespace t2w_simd;
 
 namespace {
-
-// One vector type for the build's widest float lanes; loops step W at a time, tails are scalar.
-#if defined(__AVX512F__)
-constexpr int64_t W = 16;
-using vf = __m512;
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vexp(vf a) { return Sleef_expf16_u10(a); }
-inline vf vsin(vf a) { return Sleef_sinf16_u35(a); }  // 3.5 ULP: a third cheaper than 1 ULP
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-#elif defined(__AVX2__)
-constexpr int64_t W = 8;
-using vf = __m256;
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vexp(vf a) { return Sleef_expf8_u10(a); }
-inline vf vsin(vf a) { return Sleef_sinf8_u35(a); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-#else
-constexpr int64_t W = 1;
-using vf = float;
-inline vf vload(const float* p) { return *p; }
-inline void vstore(float* p, vf v) { *p = v; }
-inline vf vset(float x) { return x; }
-inline vf vadd(vf a, vf b) { return a + b; }
-inline vf vsub(vf a, vf b) { return a - b; }
-inline vf vmul(vf a, vf b) { return a * b; }
-inline vf vexp(vf a) { return std::exp(a); }
-inline vf vsin(vf a) { return std::sin(a); }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vmax(vf a, vf b) { return std::max(a, b); }
-inline vf vdiv(vf a, vf b) { return a / b; }
-#endif
-
-void check_float_cpu(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name,
-              " must be a contiguous float32 CPU tensor");
-}
-
-void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
-  check_float_cpu(t, name);
-  TORCH_CHECK(t.numel() == n, name, " must hold ", n, " values");
-}
 
 // The checkpoint's RoPE on one head's interleaved pairs (x[2i], x[2i+1]), written in the
 // de-interleaved order transformers leaves them in: out[i * stride] and out[(i + half) * stride].
@@ -118,51 +61,23 @@ torch::Tensor dit_norm(torch::Tensor h, const c10::optional<torch::Tensor>& y, c
   std::vector<float> one_plus(d);
   for (int64_t i = 0; i < d; ++i) one_plus[i] = 1.0f + sc[i];
   const float* opl = one_plus.data();
-  const float e = static_cast<float>(eps), inv_d = 1.0f / static_cast<float>(d);
+  const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* x = hp + r * d;
-      float* o = op + r * d;
-      if (yp != nullptr) {
-        const float* yr = yp + r * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) x[i] = x[i] + gp[i] * yr[i];
-      }
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < d; ++i) sum += x[i];
-      const float mean = sum * inv_d;
-      float var = 0.f;
-#pragma omp simd reduction(+ : var)
-      for (int64_t i = 0; i < d; ++i) var += (x[i] - mean) * (x[i] - mean);
-      const float rstd = 1.0f / std::sqrt(var * inv_d + e);
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) o[i] = ((x[i] - mean) * rstd) * opl[i] + sh[i];
-    }
+    for (int64_t r = begin; r < end; ++r)
+      modulated_norm_row(hp + r * d, yp == nullptr ? nullptr : yp + r * d, gp, opl, sh, d, e, op + r * d);
   });
   return out;
 }
 
-// GELU with the tanh approximation, in place: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3),
-// computed as x / (1 + exp(-2u)) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)); SLEEF's
-// tanh costs several times its exp here.
+// GELU with the tanh approximation (t2w_simd.h), in place.
 void gelu_tanh_(torch::Tensor x) {
   check_float_cpu(x, "x");
   float* p = x.data_ptr<float>();
   const int64_t n = x.numel();
-  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
   at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
-    const vf vb = vset(-2.0f * beta), vk = vset(kappa), one = vset(1.0f);
-    for (; i + W <= end; i += W) {
-      const vf v = vload(p + i);
-      const vf inner = vmul(vb, vadd(v, vmul(vk, vmul(vmul(v, v), v))));
-      vstore(p + i, vdiv(v, vadd(one, vexp(inner))));
-    }
-    for (; i < end; ++i) {
-      const float v = p[i];
-      p[i] = v / (1.0f + std::exp(-2.0f * beta * (v + kappa * (v * v * v))));
-    }
+    for (; i + W <= end; i += W) vstore(p + i, gelu_tanh_vec(vload(p + i)));
+    for (; i < end; ++i) p[i] = gelu_tanh_scalar(p[i]);
   });
 }
 

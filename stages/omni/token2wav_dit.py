@@ -24,7 +24,7 @@ run as eager torch ops. Both agree with transformers' module to float32 rounding
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import torch
@@ -35,6 +35,17 @@ from omnistage.stages.omni.token2wav_attention import BlockLayout, block_attenti
 
 NORM_EPS = 1e-6  # the DiT's LayerNorms (AdaLayerNormZero, ff_norm, the final norm)
 ROPE_HEADS = 1  # the checkpoint applies RoPE to the first head only
+FUSED_MAX_HIDDEN = 128
+
+
+@dataclass(frozen=True)
+class FusedLayerWeights:
+    """A layer's GEMM weights transposed ([in, out]) for the fused layer kernels."""
+
+    qkv_t: torch.Tensor
+    out_t: torch.Tensor
+    ff_in_t: torch.Tensor
+    ff_out_t: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,7 @@ class PackedLayer:
     ff_out_bias: torch.Tensor
     back: int  # key blocks before a query's own
     ahead: int  # key blocks after it
+    fused: FusedLayerWeights | None = None  # set where the fused layer kernels run
 
 
 @dataclass(frozen=True)
@@ -113,6 +125,8 @@ class PackedDiT:
             )
             for b in blocks
         ]
+        if self._fused_layers(cfg):
+            self.layers = [replace(layer, fused=_transposed(layer)) for layer in self.layers]
         adaln = [b.attn_norm.linear for b in blocks] + [dit.norm_out.linear]
         self.adaln_weight = torch.cat([m.weight for m in adaln]).detach()
         self.adaln_bias = torch.cat([m.bias for m in adaln]).detach()
@@ -120,6 +134,12 @@ class PackedDiT:
         self.mel_weight = proj.weight[:, : self.mel_dim].detach().contiguous()
         self.cond_weight = proj.weight[:, self.mel_dim :].detach().contiguous()
         self.proj_bias = proj.bias.detach()
+
+    def _fused_layers(self, cfg) -> bool:
+        """The fused layer kernels serve thin DiTs (the tiny checkpoints): their weights stay in
+        cache across a tile of rows. Wide ones (the real 1024-wide DiT) keep MKL's GEMMs."""
+        widths = (self.hidden, self.heads * self.head_dim, self.hidden * int(cfg.ff_mult))
+        return self.kernels is not None and self.hidden <= FUSED_MAX_HIDDEN and all(w % 16 == 0 for w in widths)
 
     # -- per solve ----------------------------------------------------------------------
     def prepare(self, cond: dict[str, torch.Tensor], lengths: list[int], guided: bool) -> SolveInputs:
@@ -168,15 +188,34 @@ class PackedDiT:
         h = inputs.conditioning.clone()
         h.view(2 if inputs.guided else 1, *mel.shape).add_(mel)
         residual, gate = None, None
-        for layer, (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) in zip(self.layers, mod.layers):
-            norm = self._norm(h, residual, gate, scale_msa, shift_msa)
-            qkv = F.linear(norm, layer.qkv_weight, layer.qkv_bias)
-            residual = F.linear(self._attention(qkv, inputs, layer), layer.out_weight, layer.out_bias)
-            norm = self._norm(h, residual, gate_msa, scale_mlp, shift_mlp)
-            inner = self._gelu_(F.linear(norm, layer.ff_in_weight, layer.ff_in_bias))
-            residual, gate = F.linear(inner, layer.ff_out_weight, layer.ff_out_bias), gate_mlp
+        for layer, vectors in zip(self.layers, mod.layers):
+            step = self._fused_layer if layer.fused is not None and self.kernels is not None else self._layer
+            residual, gate = step(layer, vectors, h, residual, gate, inputs)
         norm = self._norm(h, residual, gate, mod.final_scale, mod.final_shift)
         return self.dit.proj_out(norm)
+
+    def _layer(self, layer: PackedLayer, vectors, h, residual, gate, inputs: SolveInputs):
+        """One layer: h takes the previous layer's gated residual (in place); returns this
+        layer's MLP output and its gate, which the next layer (or the final norm) adds."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = vectors
+        norm = self._norm(h, residual, gate, scale_msa, shift_msa)
+        qkv = F.linear(norm, layer.qkv_weight, layer.qkv_bias)
+        residual = F.linear(self._attention(qkv, inputs, layer), layer.out_weight, layer.out_bias)
+        norm = self._norm(h, residual, gate_msa, scale_mlp, shift_mlp)
+        inner = self._gelu_(F.linear(norm, layer.ff_in_weight, layer.ff_in_bias))
+        return F.linear(inner, layer.ff_out_weight, layer.ff_out_bias), gate_mlp
+
+    def _fused_layer(self, layer: PackedLayer, vectors, h, residual, gate, inputs: SolveInputs):
+        """_layer as two fused kernels around the attention."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = vectors
+        w, k = layer.fused, self.kernels
+        qkv = k.dit_attn_in(h, residual, gate, scale_msa, shift_msa, NORM_EPS, w.qkv_t, layer.qkv_bias)
+        attention = self._attention(qkv, inputs, layer)
+        out = k.dit_attn_out_ff(
+            h, attention, w.out_t, layer.out_bias, gate_msa, scale_mlp, shift_mlp, NORM_EPS,
+            w.ff_in_t, layer.ff_in_bias, w.ff_out_t, layer.ff_out_bias,
+        )  # fmt: skip
+        return out, gate_mlp
 
     def _norm(self, h, residual, gate, scale, shift) -> torch.Tensor:
         """h += gate * residual (in place, when given); LayerNorm(h) * (1 + scale) + shift."""
@@ -204,6 +243,12 @@ class PackedDiT:
         q, k = _rope_first_heads(q, inputs.cos, inputs.sin), _rope_first_heads(k, inputs.cos, inputs.sin)
         out, _ = block_attention(None, q, k, v, view.layouts[(layer.back, layer.ahead)])
         return out[view.segment, view.position].reshape(-1, self.heads * self.head_dim)
+
+
+def _transposed(layer: PackedLayer) -> FusedLayerWeights:
+    return FusedLayerWeights(
+        *(w.t().contiguous() for w in (layer.qkv_weight, layer.out_weight, layer.ff_in_weight, layer.ff_out_weight))
+    )
 
 
 def _rope_first_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@ forwards against transformers' own modules, with the fused kernels and without t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,15 +91,18 @@ def _random_dit(cfg, seed: int):
 
 
 @pytest.mark.parametrize("heads,head_dim", [(2, 16), (4, 8)])
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "eager"])
-def test_packed_dit_forward_equals_transformers_per_window(ops, heads, head_dim, use_kernels):
+@pytest.mark.parametrize("path", ["fused-layers", "kernels", "eager"])
+def test_packed_dit_forward_equals_transformers_per_window(ops, heads, head_dim, path):
     """Windows of different lengths laid end to end in one guided batch: each window's DiT
     output equals transformers' forward of that window alone (its own length, a dense block
     mask)."""
     cfg = _dit_config(heads, head_dim)
     dit = _random_dit(cfg, seed=heads)
     packed = PackedDiT(dit, torch.device("cpu"))
-    if not use_kernels:
+    assert all(layer.fused is not None for layer in packed.layers)  # a thin DiT: fused layers by default
+    if path != "fused-layers":  # the per-op kernels (wide DiTs), or none at all (no compiler, GPU)
+        packed.layers = [replace(layer, fused=None) for layer in packed.layers]
+    if path == "eager":
         packed.kernels = None
     g = torch.Generator().manual_seed(1)
     lengths = [72, 50, 24, 8]  # whole blocks, a partial last block, one block, less than one
