@@ -169,19 +169,25 @@ torch::Tensor dit_attn_out_ff(torch::Tensor h, const torch::Tensor& a, const tor
   const auto opl = one_plus(scale);
   const float* gp = gate.data_ptr<float>();
   const float* sh = shift.data_ptr<float>();
+  const float* wo = wout_t.data_ptr<float>();
+  const float* bo = bout.data_ptr<float>();
+  const float* wi = win_t.data_ptr<float>();
+  const float* bi = bin.data_ptr<float>();
+  const float* wf = wff_t.data_ptr<float>();
+  const float* bf = bff.data_ptr<float>();
   const float e = static_cast<float>(eps);
   const int64_t tiles = (rows + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> proj(TILE * d), norm(TILE * d), hidden(TILE * ff);
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t r0 = tile * TILE, count = std::min(TILE, rows - r0);
-      gemm_rows(ap + r0 * inner, inner, count, inner, wout_t.data_ptr<float>(), d, bout.data_ptr<float>(), proj.data(), d);
+      gemm_rows(ap + r0 * inner, inner, count, inner, wo, d, bo, proj.data(), d);
       for (int64_t r = 0; r < count; ++r)
         modulated_norm_row(hp + (r0 + r) * d, proj.data() + r * d, gp, opl.data(), sh, d, e, norm.data() + r * d);
-      gemm_rows(norm.data(), d, count, d, win_t.data_ptr<float>(), ff, bin.data_ptr<float>(), hidden.data(), ff);
+      gemm_rows(norm.data(), d, count, d, wi, ff, bi, hidden.data(), ff);
       float* f = hidden.data();
       for (int64_t i = 0; i < count * ff; i += W) vstore(f + i, gelu_tanh_vec(vload(f + i)));
-      gemm_rows(hidden.data(), ff, count, ff, wff_t.data_ptr<float>(), d, bff.data_ptr<float>(), op + r0 * d, d);
+      gemm_rows(hidden.data(), ff, count, ff, wf, d, bf, op + r0 * d, d);
     }
   });
   return out;
