@@ -5,6 +5,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 // ATen's vectorized SLEEF functions (exported by libtorch_cpu).
 extern "C" __m512 Sleef_sinf16_u35(__m512);
@@ -90,6 +91,31 @@ inline void check_float_cpu(const torch::Tensor& t, const char* name) {
 inline void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
   check_float_cpu(t, name);
   TORCH_CHECK(t.numel() == n, name, " must hold ", n, " values");
+}
+
+// A pre-norm's optional gated residual (h += gate * y): y [same shape as h] and gate [d] come
+// together or not at all. Raw pointers, null when absent.
+struct GatedResidual {
+  const float* y = nullptr;
+  const float* gate = nullptr;
+};
+
+inline GatedResidual gated_residual(const torch::Tensor& h, const c10::optional<torch::Tensor>& y,
+                                    const c10::optional<torch::Tensor>& gate, int64_t d) {
+  TORCH_CHECK(y.has_value() == gate.has_value(), "y and gate come together");
+  if (!y.has_value()) return {};
+  check_float_cpu(*y, "y");
+  TORCH_CHECK(y->sizes() == h.sizes(), "y and h differ in shape");
+  check_vector(*gate, d, "gate");
+  return {y->data_ptr<float>(), gate->data_ptr<float>()};
+}
+
+// 1 + scale, the LayerNorm's modulated weight.
+inline std::vector<float> one_plus(const torch::Tensor& scale) {
+  const float* sc = scale.data_ptr<float>();
+  std::vector<float> out(scale.numel());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = 1.0f + sc[i];
+  return out;
 }
 
 // One row of the DiT's pre-norm: x += gate * y (when y is given), then

@@ -87,13 +87,6 @@ void check_weight(const torch::Tensor& wt, int64_t k_len, int64_t n, const char*
   TORCH_CHECK(n % W == 0, name, ": ", n, " outputs are not a multiple of the vector width ", W);
 }
 
-std::vector<float> one_plus(const torch::Tensor& scale) {
-  const float* sc = scale.data_ptr<float>();
-  std::vector<float> out(scale.numel());
-  for (size_t i = 0; i < out.size(); ++i) out[i] = 1.0f + sc[i];
-  return out;
-}
-
 }  // namespace
 
 // h [N, D] (updated in place); y [N, D] and gate [D] together or neither; scale / shift [D];
@@ -109,16 +102,7 @@ torch::Tensor dit_attn_in(torch::Tensor h, const c10::optional<torch::Tensor>& y
   check_vector(shift, d, "shift");
   check_weight(wqkv_t, d, n, "wqkv_t");
   check_vector(bqkv, n, "bqkv");
-  TORCH_CHECK(y.has_value() == gate.has_value(), "y and gate come together");
-  const float* yp = nullptr;
-  const float* gp = nullptr;
-  if (y.has_value()) {
-    check_float_cpu(*y, "y");
-    TORCH_CHECK(y->sizes() == h.sizes(), "y and h differ in shape");
-    check_vector(*gate, d, "gate");
-    yp = y->data_ptr<float>();
-    gp = gate->data_ptr<float>();
-  }
+  const GatedResidual res = gated_residual(h, y, gate, d);
   auto out = torch::empty({rows, n}, h.options());
   float* hp = h.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -134,8 +118,8 @@ torch::Tensor dit_attn_in(torch::Tensor h, const c10::optional<torch::Tensor>& y
       const int64_t r0 = tile * TILE, count = std::min(TILE, rows - r0);
       for (int64_t r = 0; r < count; ++r) {
         const int64_t row = r0 + r;
-        modulated_norm_row(hp + row * d, yp == nullptr ? nullptr : yp + row * d, gp, opl.data(), sh, d, e,
-                           norm.data() + r * d);
+        modulated_norm_row(hp + row * d, res.y == nullptr ? nullptr : res.y + row * d, res.gate, opl.data(), sh, d,
+                           e, norm.data() + r * d);
       }
       gemm_rows(norm.data(), d, count, d, wp, n, bp, op + r0 * n, n);
     }

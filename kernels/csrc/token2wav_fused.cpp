@@ -43,28 +43,17 @@ torch::Tensor dit_norm(torch::Tensor h, const c10::optional<torch::Tensor>& y, c
   const int64_t d = h.size(-1), rows = h.numel() / d;
   check_vector(scale, d, "scale");
   check_vector(shift, d, "shift");
-  TORCH_CHECK(y.has_value() == gate.has_value(), "y and gate come together");
-  const float* yp = nullptr;
-  const float* gp = nullptr;
-  if (y.has_value()) {
-    check_float_cpu(*y, "y");
-    TORCH_CHECK(y->sizes() == h.sizes(), "y and h differ in shape");
-    check_vector(*gate, d, "gate");
-    yp = y->data_ptr<float>();
-    gp = gate->data_ptr<float>();
-  }
+  const GatedResidual res = gated_residual(h, y, gate, d);
   auto out = torch::empty_like(h);
   float* hp = h.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const float* sc = scale.data_ptr<float>();
   const float* sh = shift.data_ptr<float>();
-  std::vector<float> one_plus(d);
-  for (int64_t i = 0; i < d; ++i) one_plus[i] = 1.0f + sc[i];
-  const float* opl = one_plus.data();
+  const auto opl = one_plus(scale);
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      modulated_norm_row(hp + r * d, yp == nullptr ? nullptr : yp + r * d, gp, opl, sh, d, e, op + r * d);
+      modulated_norm_row(hp + r * d, res.y == nullptr ? nullptr : res.y + r * d, res.gate, opl.data(), sh, d, e,
+                         op + r * d);
   });
   return out;
 }
