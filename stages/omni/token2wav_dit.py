@@ -15,9 +15,11 @@ residuals. Here, per evaluation:
   mixes frames, and it runs within each window. Without the kernels the attention scatters the
   windows into a padded batch for the eager block attention.
 
-With the fused CPU kernels (kernels/csrc/token2wav_fused.cpp) the norm, the attention (RoPE
-included) and the GELU are one call each; without them (no compiler, or a GPU) the same steps
-run as eager torch ops. Both agree with transformers' module to float32 rounding
+With the fused CPU kernels a thin DiT's layer is three calls (kernels/csrc/token2wav_dit_layer.cpp:
+norm and q|k|v projection; token2wav_fused.cpp: the attention, RoPE included; then output
+projection, norm and GELU MLP); a wide one keeps MKL's GEMMs with the norm, attention and
+GELU as one call each; without the kernels (no compiler, or a GPU) the same steps run as eager
+torch ops. Both agree with transformers' module to float32 rounding
 (tests/omni/test_token2wav_kernels.py).
 """
 
@@ -35,7 +37,7 @@ from omnistage.stages.omni.token2wav_attention import BlockLayout, block_attenti
 
 NORM_EPS = 1e-6  # the DiT's LayerNorms (AdaLayerNormZero, ff_norm, the final norm)
 ROPE_HEADS = 1  # the checkpoint applies RoPE to the first head only
-FUSED_MAX_HIDDEN = 128
+FUSED_MAX_HIDDEN = 128  # widest DiT whose layer weights stay in cache for the fused layer kernels
 
 
 @dataclass(frozen=True)
