@@ -1,5 +1,6 @@
-// Float vector helpers shared by the token2wav kernels: one vector type for the build's widest
-// float lanes (AVX-512, AVX2, or scalar), and argument checks.
+// Helpers shared by the token2wav kernels (token2wav_fused.cpp, token2wav_dit_layer.cpp): one
+// vector type for the build's widest float lanes (AVX-512, AVX2, or scalar), argument checks,
+// and the DiT's per-row pieces both files use (the modulated pre-norm row, GELU).
 #pragma once
 #include <torch/extension.h>
 #include <immintrin.h>
