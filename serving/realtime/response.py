@@ -1,9 +1,12 @@
 """One response of a realtime session: the pipeline request built from the conversation, and
 its output streamed back as GA events, from `response.created` to `response.done`.
 
-Cancelling the runner's task (barge-in, `response.cancel`, a vanished client) closes the
-pipeline stream, which aborts the request in every stage (KV blocks freed, talker and
-token2wav stop); no delta leaves after that, and `response.done` reports `cancelled`.
+`ResponseRunner.cancel` (barge-in, `response.cancel`, a vanished client) stops the pipeline
+stream, which aborts the request in every stage (KV blocks freed, talker and token2wav stop);
+no delta leaves after that, and `response.done` reports `cancelled`. Only the streaming part
+is ever cancelled: a response whose `response.created` was sent always ends with its
+`response.done`, also when the cancel comes before it started or while its last events go
+out.
 """
 
 from __future__ import annotations
@@ -71,6 +74,18 @@ class ResponseRunner:
         self.state = ResponseState()
         self.task: asyncio.Task | None = None
         self.previous_item_id: str | None = None
+        self._cancelled = False
+        self._streaming: asyncio.Task | None = None
+
+    def cancel(self, reason: str) -> None:
+        """Stops the deltas (a cancel after the stream ended changes nothing); `run` still
+        sends the closing events, so the caller awaits `task` for `response.done`."""
+        if self._cancelled or (self._streaming is not None and self._streaming.done()):
+            return
+        self._cancelled = True
+        self.state.reason = self.state.reason or reason
+        if self._streaming is not None:
+            self._streaming.cancel()
 
     # -- pipeline request ------------------------------------------------------------------
     def _inputs_and_params(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -120,7 +135,10 @@ class ResponseRunner:
         ids = {"response_id": s.id, "item_id": item.id, "output_index": 0}
         try:
             await self._start(ids)
-            await self._stream(ids)
+            if self._cancelled:
+                raise asyncio.CancelledError
+            self._streaming = asyncio.ensure_future(self._stream(ids))
+            await self._streaming
             s.status = "completed" if s.usage.get("finish_reason") != "length" else "incomplete"
             s.reason = "max_output_tokens" if s.status == "incomplete" else None
         except asyncio.CancelledError:

@@ -90,9 +90,7 @@ class RealtimeSession:
     async def close(self) -> None:
         """The client is gone: stop the response (aborting it in every stage) and the timers."""
         self._cancel_idle()
-        if self.response is not None and self.response.task is not None:
-            self.response.task.cancel()
-            await asyncio.wait({self.response.task})
+        await self.cancel_response("client_cancelled")
 
     # -- session and input audio -----------------------------------------------------------
     async def _session_update(self, event: ev.SessionUpdate) -> None:
@@ -244,8 +242,7 @@ class RealtimeSession:
         r = self.response
         if r is None or r.task is None or r.task.done():
             return
-        r.state.reason = reason
-        r.task.cancel()
+        r.cancel(reason)
         await asyncio.wait({r.task})
 
     async def _start_response(self, overrides: dict[str, Any] | None) -> None:

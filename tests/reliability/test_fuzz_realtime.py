@@ -547,3 +547,82 @@ def test_a_fault_in_a_response_still_ends_it_with_response_done(monkeypatch):
     response = done[0]["response"]
     assert response["status"] == "failed", response
     assert response["status_details"]["error"]["type"] == "server_error", response
+
+
+def _text_turn_session(send) -> RealtimeSession:
+    return RealtimeSession(served=None, send=send, vad=None)
+
+
+async def _user_turn(session: RealtimeSession) -> None:
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}
+    await session.handle(json.dumps({"type": "conversation.item.create", "item": item}))
+
+
+def test_a_cancel_while_a_response_sends_its_last_events_keeps_its_done(monkeypatch):
+    """A barge-in that lands after the answer's stream ended, while its closing events are
+    still going out (a loaded server), must not cut them: the client waits for the
+    response's `response.done`. The response stays completed (nothing was left to stop)."""
+    from omnistage.serving.realtime.response import ResponseRunner
+
+    async def no_output(self, _ids):
+        return None
+
+    monkeypatch.setattr(ResponseRunner, "_stream", no_output)
+    sent: list[dict] = []
+    closing = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_send(event: dict) -> None:
+        sent.append(event)
+        if event["type"] == "response.output_item.done":
+            closing.set()
+            await release.wait()  # the socket is slow: the barge-in arrives now
+
+    async def main():
+        session = _text_turn_session(slow_send)
+        await _user_turn(session)
+        await session.handle(json.dumps({"type": "response.create"}))
+        await asyncio.wait_for(closing.wait(), 10)
+        barge_in = asyncio.ensure_future(session.cancel_response("turn_detected"))
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.wait_for(barge_in, 10)
+
+    asyncio.run(main())
+    done = [e for e in sent if e["type"] == "response.done"]
+    assert len(done) == 1, [e["type"] for e in sent]
+    assert done[0]["response"]["status"] == "completed", done[0]["response"]
+
+
+def test_a_response_cancelled_before_it_ran_still_starts_and_ends(monkeypatch):
+    """`response.create` then `response.cancel` handled back to back (the response's task has
+    not run yet): the client still gets `response.created` and then `response.done`
+    (cancelled), as for any response it asked for, and the pipeline is never asked."""
+    from omnistage.serving.realtime.response import ResponseRunner
+
+    streamed = []
+
+    async def record(self, _ids):
+        streamed.append(self.state.id)
+
+    monkeypatch.setattr(ResponseRunner, "_stream", record)
+    sent: list[dict] = []
+
+    async def collect(event: dict) -> None:
+        sent.append(event)
+
+    async def main():
+        session = _text_turn_session(collect)
+        await _user_turn(session)
+        await session.handle(json.dumps({"type": "response.create"}))
+        await session.handle(json.dumps({"type": "response.cancel"}))
+        await asyncio.wait_for(session.response.task, 10)
+
+    asyncio.run(main())
+    kinds = [e["type"] for e in sent]
+    assert "error" not in kinds, sent
+    assert kinds.count("response.created") == 1 and kinds.count("response.done") == 1, kinds
+    assert kinds.index("response.created") < kinds.index("response.done"), kinds
+    done = next(e for e in sent if e["type"] == "response.done")["response"]
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled", done
+    assert streamed == [], "a cancelled response must not reach the pipeline"
