@@ -68,7 +68,7 @@ class SessionLog:
     cached: int = 0
     later_input: int = 0
     audio_bytes: int = 0
-    silent: int = 0  # responses that ended without audio (completed, failed or cancelled before any)
+    silent: list[str] = field(default_factory=list)  # status of each response that ended without audio
     errors: list[str] = field(default_factory=list)
 
 
@@ -153,7 +153,8 @@ async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tu
             last_delta = now
             player.push(now, n)
         elif kind == "response.done" and e["response"]["id"] == rid:
-            log.silent += first is None
+            if first is None:
+                log.silent.append(e["response"]["status"])
             log.underrun_ms += player.underrun * 1000
             usage = e["response"]["usage"] or {}
             if turn > 0:
@@ -219,7 +220,7 @@ async def _level(url: str, plan: Plan, n: int) -> dict[str, Any]:
         "bargein_count": sum(len(g.bargein_ms) for g in logs),
         "cached_token_share": sum(g.cached for g in logs) / later if later else 0.0,
         "answers": len(v2v),
-        "answers_without_audio": sum(g.silent for g in logs),
+        "answers_without_audio": sorted(s for g in logs for s in g.silent),
         "audio_s_received": sum(g.audio_bytes for g in logs) / 2 / RATE,
         "errors": [e for g in logs for e in g.errors],
         "wall_s": time.perf_counter() - start,
