@@ -3,13 +3,18 @@
 keeps.
 
 `audio/pcm` is little-endian 16-bit mono, 24 kHz unless the format names another `rate` (then
-resampled with torchaudio); `audio/pcmu` and `audio/pcma` are G.711 mu-law and A-law at 8 kHz.
+resampled with torchaudio's windowed-sinc kernel); `audio/pcmu` and `audio/pcma` are G.711
+mu-law and A-law at 8 kHz. A stream of packets (the appended microphone, an answer's deltas)
+is resampled by a `StreamResampler`, so it gets the samples of resampling the whole stream at
+once: resampling each packet alone would pad both its edges with zeros, a click every packet.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,24 +62,38 @@ class AudioFormat:
     def bytes_per_second(self) -> int:
         return self.rate * (2 if self.type == "audio/pcm" else 1)
 
-    def decode(self, data: bytes) -> np.ndarray:
-        """Raw bytes in this format -> float32 samples at SESSION_RATE."""
+    def to_samples(self, data: bytes) -> np.ndarray:
+        """Raw bytes in this format -> float32 samples at the format's own rate."""
         if self.type == "audio/pcm":
             if len(data) % 2:
                 raise AudioDataError("audio/pcm data must hold whole 16-bit samples (an even number of bytes)")
-            samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
-        elif self.type == "audio/pcmu":
-            samples = ulaw_decode(np.frombuffer(data, dtype=np.uint8))
-        else:
-            samples = alaw_decode(np.frombuffer(data, dtype=np.uint8))
-        return resample(samples, self.rate, SESSION_RATE)
+            return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+        if self.type == "audio/pcmu":
+            return ulaw_decode(np.frombuffer(data, dtype=np.uint8))
+        return alaw_decode(np.frombuffer(data, dtype=np.uint8))
+
+    def from_samples(self, samples: np.ndarray) -> bytes:
+        """float32 samples at the format's own rate -> raw bytes in this format."""
+        x = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+        if self.type == "audio/pcm":
+            return np.clip((x * 32768.0).round(), -32768, 32767).astype("<i2").tobytes()  # inverse of to_samples
+        return (ulaw_encode(x) if self.type == "audio/pcmu" else alaw_encode(x)).tobytes()
+
+    def decode(self, data: bytes) -> np.ndarray:
+        """Raw bytes of a whole clip in this format -> float32 samples at SESSION_RATE."""
+        return resample(self.to_samples(data), self.rate, SESSION_RATE)
 
     def encode(self, samples: np.ndarray) -> bytes:
-        """float32 samples at SESSION_RATE -> raw bytes in this format."""
-        x = np.clip(resample(np.asarray(samples, dtype=np.float32).reshape(-1), SESSION_RATE, self.rate), -1.0, 1.0)
-        if self.type == "audio/pcm":
-            return np.clip((x * 32768.0).round(), -32768, 32767).astype("<i2").tobytes()  # inverse of decode
-        return (ulaw_encode(x) if self.type == "audio/pcmu" else alaw_encode(x)).tobytes()
+        """A whole clip of float32 samples at SESSION_RATE -> raw bytes in this format."""
+        return self.from_samples(resample(np.asarray(samples, dtype=np.float32).reshape(-1), SESSION_RATE, self.rate))
+
+    def input_stream(self) -> StreamResampler:
+        """A resampler for a stream of packets in this format, to SESSION_RATE."""
+        return StreamResampler(self.rate, SESSION_RATE)
+
+    def output_stream(self) -> StreamResampler:
+        """A resampler for a stream at SESSION_RATE, to this format's rate."""
+        return StreamResampler(SESSION_RATE, self.rate)
 
 
 def decode_b64(data: object) -> bytes:
@@ -87,13 +106,87 @@ def decode_b64(data: object) -> bytes:
 
 
 def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """A whole clip from `rate` to `target` Hz."""
     if rate == target or samples.size == 0:
         return np.asarray(samples, dtype=np.float32)
-    import torch
-    import torchaudio.functional as AF
+    return _run(_kernel(rate, target), np.asarray(samples, dtype=np.float32))
 
-    out = AF.resample(torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32)), rate, target)
-    return out.numpy()
+
+@functools.lru_cache(maxsize=16)
+def _kernel(rate: int, target: int):
+    """torchaudio's Resample module (its windowed-sinc kernel, built once per rate pair)."""
+    import torchaudio.transforms as T
+
+    return T.Resample(rate, target)
+
+
+def _run(module, samples: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.inference_mode():
+        return module(torch.from_numpy(np.ascontiguousarray(samples))).numpy()
+
+
+class StreamResampler:
+    """Resamples a stream packet by packet to the samples of resampling it whole.
+
+    With g = gcd(rate, target), output block b (target/g samples) reads input samples
+    [b*n - width, (b+1)*n + width), n = rate/g (torchaudio's kernel). So each packet is run
+    with the input before it that its first blocks read, and blocks whose input has not all
+    arrived wait for the next packet (`width` samples: under a millisecond at the rates used
+    here). `flush()` ends the stream: the last blocks read the zeros a whole-clip resample
+    pads its end with; after it the resampler starts a new stream."""
+
+    def __init__(self, rate: int, target: int):
+        self.rate, self.target = rate, target
+        if rate != target:
+            self._module = _kernel(rate, target)
+            g = math.gcd(rate, target)
+            self._n_in, self._n_out = rate // g, target // g
+            self._width = int(self._module.width)
+            self._margin = -(-self._width // self._n_in) * self._n_in  # left context, whole blocks
+        self.reset()
+
+    def reset(self) -> None:
+        if self.rate == self.target:
+            return
+        self._buf = np.zeros(self._margin, dtype=np.float32)  # a whole-clip resample's start padding
+        self._buf_start = -self._margin  # stream index of _buf[0]
+        self._next_block = 0
+        self._seen = 0
+
+    def push(self, samples: np.ndarray) -> np.ndarray:
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        if self.rate == self.target:
+            return samples
+        self._buf = np.concatenate([self._buf, samples])
+        self._seen += len(samples)
+        ready = max((self._seen - self._width) // self._n_in, 0)  # blocks whose input is all here
+        return self._emit(ready)
+
+    def flush(self) -> np.ndarray:
+        """The rest of the stream, then a fresh start."""
+        if self.rate == self.target:
+            return np.zeros(0, dtype=np.float32)
+        total = -(-self._n_out * self._seen // self._n_in)  # a whole-clip resample's length
+        emitted = self._next_block * self._n_out
+        out = self._emit(-(-total // self._n_out))[: max(total - emitted, 0)]
+        self.reset()
+        return out
+
+    def _emit(self, stop_block: int) -> np.ndarray:
+        blocks = stop_block - self._next_block
+        if blocks <= 0:
+            return np.zeros(0, dtype=np.float32)
+        lo = self._next_block * self._n_in - self._margin - self._buf_start
+        hi = min(stop_block * self._n_in + self._width, self._seen) - self._buf_start
+        skip = self._margin // self._n_in * self._n_out
+        out = _run(self._module, self._buf[lo:hi])[skip : skip + blocks * self._n_out]
+        self._next_block = stop_block
+        keep_from = stop_block * self._n_in - self._margin
+        self._buf = self._buf[keep_from - self._buf_start :]
+        self._buf_start = keep_from
+        return out
 
 
 # G.711 (ITU-T): 8-bit logarithmic codes, sign + 3-bit segment + 4-bit mantissa.

@@ -76,6 +76,7 @@ class ResponseRunner:
         self.previous_item_id: str | None = None
         self._cancelled = False
         self._streaming: asyncio.Task | None = None
+        self._output = plan.output_format.output_stream()
 
     def cancel(self, reason: str) -> None:
         """Stops the deltas (a cancel after the stream ended changes nothing); `run` still
@@ -190,8 +191,13 @@ class ResponseRunner:
         self.state.audio_chunks.append(samples)
         if self.state.first_audio_at is None:
             self.state.first_audio_at = asyncio.get_running_loop().time()
-        delta = base64.b64encode(self.plan.output_format.encode(samples)).decode("ascii")
-        await self.send(server_event("response.output_audio.delta", **ids, content_index=0, delta=delta))
+        await self._send_audio(ids, self._output.push(samples))
+
+    async def _send_audio(self, ids: dict[str, Any], samples: np.ndarray) -> None:
+        """Samples at the output format's rate as one delta (none while the resampler holds them)."""
+        if len(samples):
+            delta = base64.b64encode(self.plan.output_format.from_samples(samples)).decode("ascii")
+            await self.send(server_event("response.output_audio.delta", **ids, content_index=0, delta=delta))
 
     async def _finish(self, ids: dict[str, Any], part: ContentPart) -> None:
         s, item = self.state, self.item
@@ -204,6 +210,7 @@ class ResponseRunner:
         item.status = "completed" if s.status == "completed" else "incomplete"
         if s.status != "cancelled":  # a cancelled response stops its deltas at once
             if self.plan.speaks:
+                await self._send_audio(ids, self._output.flush())  # the resampler's last samples
                 await self.send(server_event("response.output_audio.done", **ids, content_index=0))
                 done = "response.output_audio_transcript.done"
                 await self.send(server_event(done, **ids, content_index=0, transcript=text))

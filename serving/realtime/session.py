@@ -109,6 +109,7 @@ class RealtimeSession:
     def _reset_vad(self) -> None:
         td = self.config.turn_detection
         self._vad_stream = VadStream()
+        self._input = self.config.input_format.input_stream()  # a format change starts a new stream
         self._detector = TurnDetector(td.vad) if td is not None else None
         self._vad_origin_ms = self.buffer.now_ms
         self._speech_item = None
@@ -117,7 +118,7 @@ class RealtimeSession:
         if len(event.audio) > MAX_APPEND_BYTES * 4 // 3 + 4:
             raise ev.ProtocolError("an append carries at most 15 MiB of audio", "audio_too_large", "audio")
         try:
-            samples = self.config.input_format.decode(decode_b64(event.audio))
+            samples = self._input.push(self.config.input_format.to_samples(decode_b64(event.audio)))
         except AudioDataError as exc:
             raise ev.ProtocolError(str(exc), "invalid_audio", "audio") from None
         if self.buffer.too_long():
@@ -178,11 +179,13 @@ class RealtimeSession:
                 f"buffer too small: {ms} ms of audio; a commit needs at least {MIN_COMMIT_MS} ms",
                 "input_audio_buffer_commit_empty",
             )
+        self.buffer.append(self._input.flush())  # the stream of this item ends here
         await self._add_user_audio(self.buffer.take(), self._speech_item or ev.new_id("item"))
         self._speech_item = None
 
     async def _clear(self, event: ev.AudioClear) -> None:
         self.buffer.clear()
+        self._input.reset()
         await self.send(ev.server_event("input_audio_buffer.cleared"))
 
     async def _output_clear(self, event: ev.OutputAudioClear) -> None:
