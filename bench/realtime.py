@@ -17,6 +17,10 @@ talks again as soon as the answer starts (barge-in). Per N sessions (all at once
   interrupted (a short answer may already be complete).
 - cached_token_share: cached / input tokens of turns after the first (the session's prefix
   cache under its salt).
+- answers (with audio), answers_without_audio (status and codec tokens of each; the random
+  tiny talker can end at its first step), interruptions_not_spoken (a barge-in turn whose
+  answer had no audio: the user had nothing to talk over, so nothing more is awaited).
+A session that gets no event for `--event-timeout` seconds fails the run with its last events.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,13 +55,30 @@ class Plan:
     repeat: int
     silence_ms: int
     api_key: str | None = None
+    event_timeout_s: float = 600.0
 
     @classmethod
     def make(cls, args: argparse.Namespace) -> Plan:
         sessions = tuple(int(s) for s in args.sessions.split(",")) if args.sessions else None
         if args.quick:
-            return cls(sessions or (1, 2), args.turns or 2, 6, args.repeat or 1, args.silence_ms, args.api_key)
-        return cls(sessions or (1, 4, 16), args.turns or 3, 24, args.repeat or 3, args.silence_ms, args.api_key)
+            return cls(
+                sessions or (1, 2),
+                args.turns or 2,
+                6,
+                args.repeat or 1,
+                args.silence_ms,
+                args.api_key,
+                args.event_timeout,
+            )
+        return cls(
+            sessions or (1, 4, 16),
+            args.turns or 3,
+            24,
+            args.repeat or 3,
+            args.silence_ms,
+            args.api_key,
+            args.event_timeout,
+        )
 
 
 @dataclass
@@ -68,8 +90,18 @@ class SessionLog:
     cached: int = 0
     later_input: int = 0
     audio_bytes: int = 0
-    silent: list[str] = field(default_factory=list)  # status of each response that ended without audio
+    silent: list[str] = field(default_factory=list)  # each response that ended without audio: status, codec tokens
+    interruptions_not_spoken: int = 0  # barge-in turns whose answer had no audio to talk over
     errors: list[str] = field(default_factory=list)
+    recent: deque = field(default_factory=lambda: deque(maxlen=60))  # the last events, for a stall's report
+
+
+def _summary(e: dict[str, Any]) -> str:
+    """An event in a few words: its type, the response it belongs to, a response's status."""
+    response = e.get("response") or {}
+    rid = e.get("response_id") or response.get("id") or ""
+    status = response.get("status") if e["type"] == "response.done" else None
+    return " ".join(str(x) for x in (e["type"], rid[-8:], status) if x)
 
 
 def _clip() -> tuple[np.ndarray, int]:
@@ -131,13 +163,24 @@ class Player:
         return self.cursor or 0.0
 
 
-async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tuple | None) -> str | None:
-    """Reads events up to this turn's response.done; returns the answer's item id."""
+async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tuple | None, timeout_s: float) -> bool:
+    """Reads events up to this turn's response.done; returns whether the answer had audio
+    (with `interrupt`: whether the user talked over it)."""
     loop = asyncio.get_running_loop()
     player, rid, first, last_delta = Player(), None, None, None
+    log.recent.append(f"(turn {turn}: reading its answer)")
     while True:
-        e = json.loads(await asyncio.wait_for(ws.recv(), 600))
+        try:
+            e = json.loads(await asyncio.wait_for(ws.recv(), timeout_s))
+        except TimeoutError:
+            waiting = f"response.done of {rid}" if rid else "a response.created"
+            raise RuntimeError(
+                f"turn {turn}: no event for {timeout_s:g} s while waiting for {waiting}; "
+                f"the last events: {list(log.recent)}"
+            ) from None
         kind = e["type"]
+        if kind != "response.output_audio.delta":
+            log.recent.append(_summary(e))
         if kind == "error":
             log.errors.append(e["error"]["message"])
         elif kind == "response.created" and rid is None:
@@ -153,10 +196,11 @@ async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tu
             last_delta = now
             player.push(now, n)
         elif kind == "response.done" and e["response"]["id"] == rid:
-            if first is None:
-                log.silent.append(e["response"]["status"])
-            log.underrun_ms += player.underrun * 1000
             usage = e["response"]["usage"] or {}
+            if first is None:
+                codec = (usage.get("output_token_details") or {}).get("audio_tokens")
+                log.silent.append(f"{e['response']['status']}, {codec} codec tokens")
+            log.underrun_ms += player.underrun * 1000
             if turn > 0:
                 log.cached += usage.get("input_token_details", {}).get("cached_tokens", 0)
                 log.later_input += usage.get("input_tokens", 0)
@@ -164,7 +208,7 @@ async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tu
                 log.bargein_ms.append(max(0.0, (last_delta or 0) - mic.onset_at) * 1000)
                 log.bargein_done_ms.append((loop.time() - mic.onset_at) * 1000)
             await asyncio.sleep(max(0.0, player.ends_at() - loop.time()))  # the user listens to the end
-            return e["response"]["output"][0]["id"] if e["response"]["output"] else None
+            return first is not None
 
 
 async def _session(url: str, plan: Plan, index: int, log: SessionLog) -> None:
@@ -191,9 +235,13 @@ async def _session(url: str, plan: Plan, index: int, log: SessionLog) -> None:
                 mic.say(samples, onset)
                 await mic.sent.wait()
                 barge = (samples, onset) if turn == plan.turns - 1 else None
-                await _answer(ws, mic, log, turn, barge)
-                if barge is not None:
-                    await _answer(ws, mic, log, turn + 1, None)  # what the interruption asked
+                spoke = await _answer(ws, mic, log, turn, barge, plan.event_timeout_s)
+                if barge is not None and spoke:
+                    await _answer(ws, mic, log, turn + 1, None, plan.event_timeout_s)  # what the interruption asked
+                elif barge is not None:
+                    # an answer without audio (the random talker can end at its first step)
+                    # gives the user nothing to talk over: no interruption, no answer to wait for
+                    log.interruptions_not_spoken += 1
         finally:
             mic_task.cancel()
 
@@ -221,6 +269,7 @@ async def _level(url: str, plan: Plan, n: int) -> dict[str, Any]:
         "cached_token_share": sum(g.cached for g in logs) / later if later else 0.0,
         "answers": len(v2v),
         "answers_without_audio": sorted(s for g in logs for s in g.silent),
+        "interruptions_not_spoken": sum(g.interruptions_not_spoken for g in logs),
         "audio_s_received": sum(g.audio_bytes for g in logs) / 2 / RATE,
         "errors": [e for g in logs for e in g.errors],
         "wall_s": time.perf_counter() - start,
@@ -269,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", help="an omnistage server already serving tiny-omni (default: start one)")
     ap.add_argument("--api-key", help="the server's API key (with --url)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 and 2 sessions, 2 turns, short answers")
+    ap.add_argument(
+        "--event-timeout", type=float, default=600.0, help="seconds a session waits for its next event before failing"
+    )
     ap.add_argument("--json", dest="json_path", help="write the results to this file")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
