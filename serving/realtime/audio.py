@@ -140,10 +140,12 @@ class StreamResampler:
     def __init__(self, rate: int, target: int):
         self.rate, self.target = rate, target
         if rate != target:
-            self._module = _kernel(rate, target)
+            module = _kernel(rate, target)
             g = math.gcd(rate, target)
             self._n_in, self._n_out = rate // g, target // g
-            self._width = int(self._module.width)
+            self._width = int(module.width)
+            # [taps, n_out]: output block b is x[b*n_in - width : (b+1)*n_in + width] @ this
+            self._taps = module.kernel[:, 0, :].T.numpy().copy()
             self._margin = -(-self._width // self._n_in) * self._n_in  # left context, whole blocks
         self.reset()
 
@@ -178,10 +180,15 @@ class StreamResampler:
         blocks = stop_block - self._next_block
         if blocks <= 0:
             return np.zeros(0, dtype=np.float32)
-        lo = self._next_block * self._n_in - self._margin - self._buf_start
-        hi = min(stop_block * self._n_in + self._width, self._seen) - self._buf_start
-        skip = self._margin // self._n_in * self._n_out
-        out = _run(self._module, self._buf[lo:hi])[skip : skip + blocks * self._n_out]
+        # the kernel as a matrix product over strided windows: the same sums as torchaudio's
+        # conv1d without its per-call overhead, which dominated at one 20 ms packet per call
+        lo = self._next_block * self._n_in - self._width - self._buf_start
+        x = self._buf[lo:]
+        need = (blocks - 1) * self._n_in + len(self._taps)
+        if len(x) < need:  # flush: the zeros past the stream's end
+            x = np.concatenate([x, np.zeros(need - len(x), dtype=np.float32)])
+        windows = np.lib.stride_tricks.sliding_window_view(x[:need], len(self._taps))[:: self._n_in]
+        out = (windows @ self._taps).reshape(-1)
         self._next_block = stop_block
         keep_from = stop_block * self._n_in - self._margin
         self._buf = self._buf[keep_from - self._buf_start :]
