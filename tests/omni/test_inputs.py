@@ -114,3 +114,25 @@ def test_undecodable_audio_is_the_requests_fault(omni_dir):
         with pytest.raises(InvalidRequestError) as err:
             ours.audio_features(bad)
         assert err.value.param == "audio"
+
+
+@pytest.mark.parametrize("seconds", [0.01, 0.05, 0.3, 0.99, 3.0101, 7.77, 29.995, 31.0])
+def test_features_equal_the_extraction_padded_to_30_seconds(omni_dir, seconds):
+    """The extractor run on the audio padded to its whole 30 s window (as the model's
+    processor runs it), its real frames kept: bit for bit what audio_features gives from its
+    shorter padding; audio past 30 s is cut."""
+    ours = OmniProcessor(omni_dir)
+    audio = _noise(seconds, int(seconds * 1000))
+    audio[: len(audio) // 3] *= 40  # a loud start: the log-mel floor comes from it
+    fe = ours.feature_extractor
+    full = fe(
+        audio[: fe.n_samples],
+        sampling_rate=16000,
+        padding="max_length",
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    frames = int(full["attention_mask"][0].sum())
+    got = ours.audio_features({"samples": audio, "sampling_rate": 16000})
+    assert got.features.shape == (fe.feature_size, frames)
+    torch.testing.assert_close(got.features, full["input_features"][0, :, :frames], rtol=0, atol=0)
