@@ -107,14 +107,21 @@ class Sampler:
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows = [r for r, s in enumerate(seqs) if s.sampling.repetition_penalty != 1.0]
+        if rows:
+            # transformers' repetition penalty, every penalized row in one gather and scatter:
+            # the logits of seen ids divided by the penalty where positive, else multiplied
+            ids = [seqs[r].repetition_ids() for r in rows]
+            lengths = torch.tensor([len(i) for i in ids])
+            offsets = torch.tensor(rows, dtype=torch.long) * logits.shape[1]
+            flat = torch.cat(ids) + torch.repeat_interleave(offsets, lengths)
+            penalty = torch.tensor([seqs[r].sampling.repetition_penalty for r in rows], dtype=logits.dtype)
+            penalty = torch.repeat_interleave(penalty, lengths)
+            table = logits.view(-1)  # penalized() hands over its own contiguous copy
+            vals = table[flat]
+            table[flat] = torch.where(vals > 0, vals / penalty, vals * penalty)
         for r, s in enumerate(seqs):
             sp = s.sampling
-            if sp.repetition_penalty != 1.0:
-                seen = s.token_ids if s.prompt_ids_known else (s.prompt_penalty_ids or []) + s.output_token_ids
-                if seen:
-                    ids = torch.tensor(sorted(set(seen)), dtype=torch.long)
-                    vals = logits[r, ids]
-                    logits[r, ids] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
             if (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0) and s.output_counts:
                 ids = torch.tensor(list(s.output_counts.keys()), dtype=torch.long)
                 counts = torch.tensor(list(s.output_counts.values()), dtype=logits.dtype)

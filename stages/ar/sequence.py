@@ -52,6 +52,23 @@ class SequenceOptions:
     decode_embeds_open: bool = False
 
 
+@dataclass
+class PenaltyIds:
+    """The repetition penalty's ids of one sequence, grown as it generates."""
+
+    members: set[int]
+    ids: torch.Tensor  # int64; ids[:count] are the members
+    count: int
+    covered: int  # token_ids[:covered] are counted
+
+    def add(self, token: int) -> None:
+        if self.count == len(self.ids):
+            self.ids = torch.cat([self.ids, torch.empty_like(self.ids)])
+        self.ids[self.count] = token
+        self.count += 1
+        self.members.add(token)
+
+
 @dataclass(eq=False)
 class Sequence:
     """One generated stream. A request with n > 1 owns n sequences that share its prompt blocks."""
@@ -101,6 +118,7 @@ class Sequence:
     fork_parent: Sequence | None = None
     fork_children: list[Sequence] = field(default_factory=list)
     output_counts: dict[int, int] = field(default_factory=dict)
+    penalty_ids: PenaltyIds | None = None  # kept by repetition_ids()
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +165,23 @@ class Sequence:
         if keys is None or start >= self.num_prompt_tokens:
             return self.token_ids[start:end]
         return keys[start : min(end, self.num_prompt_tokens)] + self.token_ids[self.num_prompt_tokens : end]
+
+    def repetition_ids(self) -> torch.Tensor:
+        """The ids the repetition penalty sees, each once: the prompt's (its token ids, or
+        `prompt_penalty_ids` for an embeddings prompt) and every generated one. Kept between
+        steps; a step adds only the ids first generated since the last call."""
+        cache = self.penalty_ids
+        if cache is None:
+            prompt = self.token_ids[: self.num_prompt_tokens] if self.prompt_ids_known else self.prompt_penalty_ids
+            members = set(prompt or ())
+            ids = torch.empty(max(64, 2 * len(members)), dtype=torch.long)
+            ids[: len(members)] = torch.tensor(sorted(members), dtype=torch.long)
+            cache = self.penalty_ids = PenaltyIds(members, ids, len(members), self.num_prompt_tokens)
+        for token in self.token_ids[cache.covered :]:
+            if token not in cache.members:
+                cache.add(token)
+        cache.covered = len(self.token_ids)
+        return cache.ids[: cache.count]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
