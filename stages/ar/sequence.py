@@ -57,15 +57,14 @@ class PenaltyIds:
     """The repetition penalty's ids of one sequence, grown as it generates."""
 
     members: set[int]
-    ids: torch.Tensor  # int64; ids[:count] are the members
-    count: int
+    ids: torch.Tensor  # int64; ids[:len(members)] are the members
     covered: int  # token_ids[:covered] are counted
 
     def add(self, token: int) -> None:
-        if self.count == len(self.ids):
+        count = len(self.members)
+        if count == len(self.ids):
             self.ids = torch.cat([self.ids, torch.empty_like(self.ids)])
-        self.ids[self.count] = token
-        self.count += 1
+        self.ids[count] = token
         self.members.add(token)
 
 
@@ -176,12 +175,12 @@ class Sequence:
             members = set(prompt or ())
             ids = torch.empty(max(64, 2 * len(members)), dtype=torch.long)
             ids[: len(members)] = torch.tensor(sorted(members), dtype=torch.long)
-            cache = self.penalty_ids = PenaltyIds(members, ids, len(members), self.num_prompt_tokens)
+            cache = self.penalty_ids = PenaltyIds(members, ids, self.num_prompt_tokens)
         for token in self.token_ids[cache.covered :]:
             if token not in cache.members:
                 cache.add(token)
         cache.covered = len(self.token_ids)
-        return cache.ids[: cache.count]
+        return cache.ids[: len(cache.members)]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
