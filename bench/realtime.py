@@ -60,21 +60,12 @@ class Plan:
     @classmethod
     def make(cls, args: argparse.Namespace) -> Plan:
         sessions = tuple(int(s) for s in args.sessions.split(",")) if args.sessions else None
-        if args.quick:
-            return cls(
-                sessions or (1, 2),
-                args.turns or 2,
-                6,
-                args.repeat or 1,
-                args.silence_ms,
-                args.api_key,
-                args.event_timeout,
-            )
+        quick = args.quick
         return cls(
-            sessions or (1, 4, 16),
-            args.turns or 3,
-            24,
-            args.repeat or 3,
+            sessions or ((1, 2) if quick else (1, 4, 16)),
+            args.turns or (2 if quick else 3),
+            6 if quick else 24,  # max_output_tokens
+            args.repeat or (1 if quick else 3),
             args.silence_ms,
             args.api_key,
             args.event_timeout,
