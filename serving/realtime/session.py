@@ -39,6 +39,7 @@ class RealtimeSession:
         self._idle: asyncio.TimerHandle | None = None
         self._speech_item: str | None = None
         self._speech_start_ms = 0
+        self._input = self.config.input_format.input_stream()  # appended packets, resampled as one stream
         self._reset_vad()
         self._handlers = {
             "session.update": self._session_update,
@@ -100,8 +101,12 @@ class RealtimeSession:
             raise ev.ProtocolError(str(exc), "invalid_value", exc.param) from None
         if event.session.get("model") not in (None, self.served.name):
             raise ev.ProtocolError("the session's model cannot change", "invalid_value", "session.model")
-        vad_changed = new.turn_detection != self.config.turn_detection or new.input_format != self.config.input_format
+        format_changed = new.input_format != self.config.input_format
+        vad_changed = format_changed or new.turn_detection != self.config.turn_detection
         self.config = new
+        if format_changed:  # the old stream ends: its held-back samples join the buffer
+            self.buffer.append(self._input.flush())
+            self._input = new.input_format.input_stream()
         if vad_changed:
             self._reset_vad()
         await self.send(ev.server_event("session.updated", session=self.session_object()))
@@ -109,7 +114,6 @@ class RealtimeSession:
     def _reset_vad(self) -> None:
         td = self.config.turn_detection
         self._vad_stream = VadStream()
-        self._input = self.config.input_format.input_stream()  # a format change starts a new stream
         self._detector = TurnDetector(td.vad) if td is not None else None
         self._vad_origin_ms = self.buffer.now_ms
         self._speech_item = None
