@@ -6,7 +6,9 @@ application `omnistage serve --backend ray` runs, driven from this process by a 
 over the stage deployments' handles), alternating per run:
 - throughput: tiny-llm, `concurrency` requests at once (greedy, `max_tokens` each, EOS
   ignored), generated tokens per second; `ratios.ray_vs_embedded_throughput` = Ray / embedded.
-  The generated tokens must be equal on both (the run fails otherwise).
+  One wave takes a fraction of a second, so a run alternates `waves` of each (embedded, Ray,
+  embedded, ...) and divides each side's tokens by its summed time. The generated tokens must
+  be equal on both (the run fails otherwise).
 - `ray.request_overhead_ms_p50`: p50 of `run()` through a one-stage no-op pipeline on Ray
   minus the same on the embedded runtime (one request at a time): what Serve's calls add.
 - `ray.chunk_overhead_us_p50`: one streamed tiny-llm request at a time; (time from the first
@@ -51,7 +53,8 @@ def _p50(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def _throughput(pipe, concurrency: int, max_tokens: int) -> tuple[float, list]:
+def _wave(pipe, concurrency: int, max_tokens: int) -> tuple[float, list]:
+    """`concurrency` requests at once: seconds until the last ends, and the tokens of each."""
     params = {"llm": {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}}
 
     async def all_at_once():
@@ -59,9 +62,22 @@ def _throughput(pipe, concurrency: int, max_tokens: int) -> tuple[float, list]:
 
     t0 = time.perf_counter()
     outs = asyncio.run(all_at_once())
-    dt = time.perf_counter() - t0
-    tokens = [o["tokens"] for o in outs]
-    return sum(len(t) for t in tokens) / dt, tokens
+    return time.perf_counter() - t0, [o["tokens"] for o in outs]
+
+
+def _throughputs(embedded, remote, concurrency: int, max_tokens: int, waves: int) -> tuple[float, float]:
+    """Tokens per second of each side over `waves` alternating waves (embedded first)."""
+    emb_total = ray_total = 0.0
+    tokens = 0
+    for _ in range(waves):
+        emb_s, emb_tokens = _wave(embedded, concurrency, max_tokens)
+        ray_s, ray_tokens = _wave(remote, concurrency, max_tokens)
+        if ray_tokens != emb_tokens:
+            raise RuntimeError("Ray Serve generated other tokens than the embedded runtime")
+        emb_total += emb_s
+        ray_total += ray_s
+        tokens += sum(len(t) for t in emb_tokens)
+    return tokens / emb_total, tokens / ray_total
 
 
 def _run_ms(pipe, count: int) -> list[float]:
@@ -130,7 +146,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
     from omnistage.graph.loader import load_pipeline
     from omnistage.runtime.pipeline import Pipeline
 
-    concurrency, max_tokens = (4, 16) if quick else (32, 64)
+    concurrency, max_tokens, waves = (4, 16, 1) if quick else (32, 64, 5)
     noop_requests, stream_requests = (20, 3) if quick else (200, 10)
     workdir = Path(tempfile.mkdtemp(prefix="omnistage-bench-ray-"))
     (workdir / "bench-noop.yaml").write_text(NOOP_YAML)
@@ -147,10 +163,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
         figures: dict[str, list[float]] = {k: [] for k in ("emb_tps", "ray_tps", "ratio", "req_ms", "chunk_us")}
         reference = {"embedded_run_ms_p50": [], "ray_run_ms_p50": [], "chunks_per_request": 0}
         for _ in range(runs):
-            emb_tps, emb_tokens = _throughput(embedded["tiny-llm"], concurrency, max_tokens)
-            ray_tps, ray_tokens = _throughput(remote["tiny-llm"], concurrency, max_tokens)
-            if ray_tokens != emb_tokens:
-                raise RuntimeError("Ray Serve generated other tokens than the embedded runtime")
+            emb_tps, ray_tps = _throughputs(embedded["tiny-llm"], remote["tiny-llm"], concurrency, max_tokens, waves)
             figures["emb_tps"].append(emb_tps)
             figures["ray_tps"].append(ray_tps)
             figures["ratio"].append(ray_tps / emb_tps)
@@ -205,6 +218,7 @@ def run_bench(quick: bool = False, runs: int = 3, progress: bool = True) -> dict
             "runs": runs,
             "concurrency": concurrency,
             "max_tokens": max_tokens,
+            "waves_per_run": waves,
             "noop_requests_per_run": noop_requests,
             "stream_requests_per_run": stream_requests,
             "cpus": os.cpu_count(),

@@ -31,7 +31,7 @@ from omnistage.errors import (
 )
 from omnistage.graph.inputs import check_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
-from omnistage.ray_serve.calls import DriverPermits, ReplicaLink, StageCall
+from omnistage.ray_serve.calls import DriverPermits, ReplicaLink, StageCall, StageOpener
 from omnistage.ray_serve.options import deployment_name
 from omnistage.runtime.ledger import SlotBook
 from omnistage.runtime.messages import Abort, Deliver, Emit, PermitsTaken
@@ -72,6 +72,7 @@ class RayDriver:
         self.counts = self._router.counts
         self._calls: dict[tuple[str, str], StageCall] = {}  # (request, stage) -> its call
         self._links: dict[tuple[str, str], ReplicaLink] = {}  # (stage, replica id) -> link
+        self._openers: dict[str, StageOpener] = {}
         self.channel = uuid.uuid4().hex  # names this driver to the replicas
         self.permits = self._permits
         self._health: dict[str, bool] = dict.fromkeys(spec.stages, False)
@@ -233,6 +234,12 @@ class RayDriver:
                 return  # ended before its delivery left
             call = self._calls[key] = StageCall(msg.request_id, r, self)
         call.deliver(msg)
+
+    def opener_for(self, stage: str) -> StageOpener:
+        opener = self._openers.get(stage)
+        if opener is None:
+            opener = self._openers[stage] = StageOpener(self.handles[stage], self.channel)
+        return opener
 
     def link_for(self, stage: str, pin: str) -> ReplicaLink:
         link = self._links.get((stage, pin))

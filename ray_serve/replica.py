@@ -8,8 +8,8 @@ pipe, and emissions leave through one stream per graph driver, as values in Ray'
 store. If the engine process dies, the replica ends itself so that Serve replaces both.
 
 Calls, each made by a graph driver (ray_serve/driver.py) that names itself by a channel id:
-- `open(rid, channel, delivers)`: takes a request (Serve picks the replica) with its first
-  deliveries; answers this replica's id, which pins the calls below to it.
+- `open(channel, requests)`: takes requests, each `(rid, its first deliveries)` (Serve picks
+  the replica for the call); answers this replica's id, which pins the calls below to it.
 - `listen(channel, replica=ID)`: a streaming call, one per driver and replica; yields lists
   of `Emit`s of every request of that driver, all a step produced in one item. When it ends
   (the driver went away), the driver's requests are aborted here.
@@ -128,12 +128,13 @@ class StageReplica:
         return channel
 
     # -- calls ---------------------------------------------------------------------------------
-    async def open(self, rid: str, channel: str, delivers: list[Deliver]) -> str:
+    async def open(self, channel: str, requests: list[tuple[str, list[Deliver]]]) -> str:
         ch = self._channel(channel)
-        ch.requests.add(rid)
-        self._owner[rid] = ch
-        for msg in delivers:
-            self.engine.send(msg)
+        for rid, delivers in requests:
+            ch.requests.add(rid)
+            self._owner[rid] = ch
+            for msg in delivers:
+                self.engine.send(msg)
         return self.replica_id
 
     async def listen(self, channel: str, replica: str | None = None):
