@@ -22,6 +22,7 @@ request and stage.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -99,8 +100,8 @@ class ReplicaLink:
 
     async def _listen(self) -> None:
         try:
-            async for emits in self.stream:
-                self.on_emits(self, emits)
+            async for item in self.stream:
+                self.on_emits(self, pickle.loads(item))
             raise RuntimeError(f"replica {self.pin} closed its stream")
         except asyncio.CancelledError:
             self.stream.cancel()
