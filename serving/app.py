@@ -1,9 +1,12 @@
 """create_app(registry) -> FastAPI: the HTTP face of a PipelineRegistry.
 
 The app owns no pipelines itself: the registry (app.state.registry) does. Startup begins
-loading the registry's pipelines in the background; shutdown closes them. Routers listed in
-serving/routes/__init__.py ROUTER_MODULES are included in order; errors of every kind leave
-as OpenAI-style JSON (serving/errors.py).
+loading the registry's pipelines in the background; shutdown closes them. The routes of the
+modules listed in serving/routes/__init__.py ROUTER_MODULES join the app's own route list in
+order (not as included routers: FastAPI matches an included router by trying its routes, then
+again inside it, so a request for the last module's path paid for every module before it);
+their lifespans run inside the app's. Errors of every kind leave as OpenAI-style JSON
+(serving/errors.py).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 from collections.abc import Iterable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
 
@@ -42,12 +45,18 @@ def create_app(
     values answered (None: any; `omnistage serve` on a loopback address passes one).
     `api_keys`: bearer keys every route but the probes requires (serving/auth.py; None: open)."""
 
+    modules = [importlib.import_module(name) for name in ROUTER_MODULES]
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await install_blocking_pool()
         if load_on_startup:
             registry.start_loading()
-        yield
+        async with AsyncExitStack() as stack:
+            for module in modules:
+                if hasattr(module, "lifespan"):
+                    await stack.enter_async_context(module.lifespan(app))
+            yield
         await asyncio.to_thread(registry.close, app.state.drain_timeout)
 
     app = FastAPI(
@@ -63,8 +72,8 @@ def create_app(
     app.state.drain_timeout = drain_timeout
     install_error_handlers(app)
     install_api_docs(app)
-    for module_name in ROUTER_MODULES:
-        app.include_router(importlib.import_module(module_name).router)
+    for module in modules:
+        app.router.routes.extend(module.router.routes)
     for router in routers:
         app.include_router(router)
     if api_keys is not None:

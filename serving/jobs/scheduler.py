@@ -55,7 +55,8 @@ class Scheduler:
                 renewed = time.monotonic()
                 await self._renew()
             try:
-                await asyncio.wait_for(self.wake.wait(), IDLE_POLL_S)
+                async with asyncio.timeout(IDLE_POLL_S):  # no task per wake-up, as wait_for makes
+                    await self.wake.wait()
             except TimeoutError:
                 pass
 

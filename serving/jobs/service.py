@@ -23,6 +23,7 @@ from omnistage.errors import InvalidRequestError, NotFoundError, OmnistageError
 from omnistage.graph.inputs import check_params
 from omnistage.serving.errors import ModelNotFoundError
 from omnistage.serving.jobs.admission import SubmitBatcher
+from omnistage.serving.jobs.changes import ChangeSignal
 from omnistage.serving.jobs.group_commit import GroupCommitter
 from omnistage.serving.jobs.model import (
     DEFAULT_WEBHOOK_EVENTS,
@@ -79,7 +80,7 @@ class JobService:
         self.admission = SubmitBatcher(self.store, config.max_queued_per_key)
         self.events = GroupCommitter(self._write_events, after=self._events_written)
         self._new_messages = False  # the last written batch queued webhook messages
-        self.changed = asyncio.Condition()
+        self.changed = ChangeSignal()
         self._tasks: list[asyncio.Task] = []
         self.runner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # this server, in leases
         self.stopping = False  # set by stop(): running jobs go back to the queue, not to canceled
@@ -277,14 +278,7 @@ class JobService:
             self.unstored.pop(job_id, None)
 
     def notify(self) -> None:
-        async def notify():
-            async with self.changed:
-                self.changed.notify_all()
-
-        try:
-            asyncio.get_running_loop().create_task(notify())
-        except RuntimeError:  # no loop (tests driving the service directly)
-            pass
+        self.changed.notify()
 
     # -- the public shape -----------------------------------------------------------------------------
     def output_urls(self, job_id: str, record: dict) -> list[dict]:

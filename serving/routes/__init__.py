@@ -1,6 +1,7 @@
-"""HTTP routers. Each module exposes `router` (a fastapi.APIRouter).
+"""HTTP routers. Each module exposes `router` (a fastapi.APIRouter) and may expose `lifespan`
+(an async context manager factory taking the app, run inside the app's own).
 
-create_app() includes every module listed in ROUTER_MODULES, in order. A later feature
+create_app() adds the routes of every module listed in ROUTER_MODULES, in order. A later feature
 (chat completions, audio speech, images, jobs with webhooks, the realtime voice websocket)
 adds its module here with one line.
 """

@@ -12,7 +12,7 @@ WS     /v1/jobs/{id}/stream           the events as JSON text frames, and as bin
                                       (WAV header + PCM16 chunks as the vocoder emits them)
 GET    /v1/jobs/{id}/stream           the same bytes as one chunked download
 
-The router's lifespan starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
+The module's `lifespan` starts the JobService (serving/jobs/service.py) with JobsConfig.from_env():
 with the default SQLite store the jobs directory must belong to this server alone (a lock file
 says so; when another server holds it, the jobs routes answer 503); with a PostgreSQL store
 (OMNISTAGE_JOBS_DB) several servers share the database and the outputs directory.
@@ -52,7 +52,7 @@ def _finished(service: JobService, job_id: str) -> bool:
 
 
 @asynccontextmanager
-async def jobs_lifespan(app: FastAPI):
+async def lifespan(app: FastAPI):
     config = JobsConfig.from_env()
     config.directory.mkdir(parents=True, exist_ok=True)
     if config.db_url:  # a shared store: several servers on purpose, no directory lock
@@ -85,7 +85,7 @@ async def jobs_lifespan(app: FastAPI):
         lock.close()
 
 
-router = APIRouter(tags=["jobs"], lifespan=jobs_lifespan)
+router = APIRouter(tags=["jobs"])
 
 
 class WebhookSpec(BaseModel):
@@ -209,12 +209,7 @@ async def job_events(
                 # the end event commits with the status, maybe after the read above: read once more
                 last_read = True
                 continue
-            async with service.changed:
-                try:
-                    await asyncio.wait_for(service.changed.wait(), POLL_S)
-                    idle = 0
-                except TimeoutError:  # a notification may fall between the read and the wait
-                    idle += 1
+            idle = 0 if await service.changed.wait(POLL_S) else idle + 1
             if idle and idle % int(KEEPALIVE_S / POLL_S) == 0:
                 yield sse_comment("keep-alive")
 
@@ -258,11 +253,7 @@ async def _send_stream(websocket: WebSocket, service: JobService, job_id: str) -
             await websocket.send_json({"id": event.seq, "type": event.type, "job_id": job_id, **event.data})
             if event.type in ("completed", "failed", "canceled"):
                 return
-        async with service.changed:
-            try:
-                await asyncio.wait_for(service.changed.wait(), POLL_S)
-            except TimeoutError:
-                pass
+        await service.changed.wait(POLL_S)
 
 
 async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> None:
@@ -298,11 +289,7 @@ async def job_stream_download(job_id: str, request: Request):
                         if path is not None:
                             yield await asyncio.to_thread(path.read_bytes)
                     return
-            async with service.changed:
-                try:
-                    await asyncio.wait_for(service.changed.wait(), POLL_S)
-                except TimeoutError:
-                    pass
+            await service.changed.wait(POLL_S)
 
     return StreamingResponse(segments(), media_type=streamed[0].media_type)
 
