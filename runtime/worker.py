@@ -401,16 +401,19 @@ class Worker:
             emits.append(Emit(em.request_id, outputs, finished, em.error, em.error_kind, em.progress, em.param, absent))
         if not emits:
             return
+        # counted before the send: a stats query answered after the caller has its result (off
+        # this thread) sees that request's outcome
+        for emit in emits:
+            if emit.finished:
+                if emit.request_id in self.active or emit.error is not None:
+                    self.stats.outcomes["ok" if emit.error is None else "error"] += 1
+                self.active.discard(emit.request_id)
         self.send(emits[0] if len(emits) == 1 else EmitBatch(emits))
         for emit in emits:
             if self.send_credit.on_emit(emit.request_id, emit.outputs, emit.finished, self.port_edges):
                 self.engine.pause(emit.request_id)  # its consumer is behind: the others go on
             if emit.finished:
-                rid = emit.request_id
-                self._drop_credit(rid)
-                if rid in self.active or emit.error is not None:
-                    self.stats.outcomes["ok" if emit.error is None else "error"] += 1
-                self.active.discard(rid)
+                self._drop_credit(emit.request_id)
 
     def snapshot(self) -> dict[str, Any]:
         for _ in range(5):

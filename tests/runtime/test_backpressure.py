@@ -90,9 +90,10 @@ def _stream(consumer_delay: float, producer_delay: float) -> tuple[list[str], in
 
 def test_a_consumer_that_keeps_up_needs_few_segments():
     """The baseline that shows the count measures chunks in flight: a producer slower than its
-    consumer reuses the same one or two segments for the whole stream."""
+    consumer reuses the same few segments for the whole stream (one or two when the machine
+    is idle; a consumer held up ~100 ms on a loaded machine has had four)."""
     segments, _ = _stream(consumer_delay=0.0, producer_delay=0.03)
-    assert 1 <= len(segments) <= 3, segments
+    assert 1 <= len(segments) <= 6, f"{len(segments)} segments for {CHUNKS} chunks"
 
 
 def test_a_slow_streaming_consumer_holds_the_producer_to_a_few_chunks():
