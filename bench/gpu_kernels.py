@@ -1,5 +1,6 @@
 """Triton kernels on the GPU: correctness in bf16, time vs the torch path and vs the memory-
-bandwidth bound, and the AR engine on a ~0.5B Qwen2 (random weights) with kernels on and off.
+bandwidth bound, the AR engine on a ~0.5B Qwen2 (random weights) with kernels on and off, and
+a DiT (SD3's architecture, random weights) forward with its adaLN norms fused and not.
 
     python -m omnistage.bench.gpu_kernels --out bench-results/gpu_kernels.json
     python -m omnistage.bench.gpu_kernels --dry-run      # CPU, Triton interpreter, tiny shapes
@@ -37,6 +38,7 @@ class Shapes:
     engine_model: str  # bench.ar_common.SHAPES key
     engine_new_tokens: int
     engine_batch: int
+    dit: tuple[int, int, int, int, int, int]  # (batch, latent side, layers, heads, head_dim, text tokens)
 
 
 GPU = Shapes(
@@ -51,8 +53,11 @@ GPU = Shapes(
     "0.5b",
     256,
     32,
+    (2, 128, 4, 24, 64, 333),  # 1024 px: 4096 latent tokens at SD3-medium's width 1536, 77 + 256 text
 )
-DRY = Shapes("cpu", "float32", 8, ((3, 21, 4, 2, 16),), (2, 5, 9, 4, 2, 16), 6, 40, 48, "quick", 2, 1)
+DRY = Shapes(
+    "cpu", "float32", 8, ((3, 21, 4, 2, 16),), (2, 5, 9, 4, 2, 16), 6, 40, 48, "quick", 2, 1, (2, 8, 1, 2, 8, 5)
+)
 
 
 def _time_ms(fn, device: str, reps: int) -> float:
@@ -197,10 +202,63 @@ def bench_elementwise(s: Shapes, gbps: float, reps: int) -> list[dict]:
     return out
 
 
+def bench_dit(s: Shapes, gbps: float, reps: int) -> tuple[dict, dict]:
+    """The adaLN kernel alone, and an SD3-architecture transformer's forward with diffusers'
+    norms and with the fused ones (same weights, same inputs)."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+
+    from omnistage.kernels.triton import adaln
+    from omnistage.stages.diffusion.fused_norms import fuse_adaln, unfuse_adaln
+
+    dt, dev = getattr(torch, s.dtype), s.device
+    batch, side, layers, heads, head_dim, text = s.dit
+    tokens, hidden = (side // 2) ** 2, heads * head_dim
+    x = torch.randn(batch, tokens, hidden, dtype=dt, device=dev)
+    shift, scale = (0.1 * torch.randn(batch, 6 * hidden, dtype=dt, device=dev)).chunk(6, dim=1)[:2]
+    k_ms = _time_ms(lambda: adaln.ada_layer_norm(x, shift, scale, 1e-6), dev, reps)
+    t_ms = _time_ms(lambda: adaln.ada_layer_norm_ref(x, shift, scale, 1e-6), dev, reps)
+    elt = torch.empty((), dtype=dt).element_size()
+    kernel = _entry(f"ada_layer_norm b{batch} {tokens}x{hidden}", k_ms, t_ms, 2 * x.numel() * elt, gbps)
+
+    torch.manual_seed(0)
+    joint, pooled = (4096, 2048) if dev != "cpu" else (32, 16)
+    model = SD3Transformer2DModel(
+        sample_size=side, patch_size=2, in_channels=16, out_channels=16, num_layers=layers,
+        attention_head_dim=head_dim, num_attention_heads=heads, joint_attention_dim=joint,
+        caption_projection_dim=hidden, pooled_projection_dim=pooled, pos_embed_max_size=side,
+    ).to(dev, dt).eval()  # fmt: skip
+    inputs = {
+        "hidden_states": torch.randn(batch, 16, side, side, dtype=dt, device=dev),
+        "encoder_hidden_states": torch.randn(batch, text, joint, dtype=dt, device=dev),
+        "pooled_projections": torch.randn(batch, pooled, dtype=dt, device=dev),
+        "timestep": torch.tensor([500.0] * batch, device=dev),
+    }
+    forward = functools.partial(model, **inputs)
+    with torch.no_grad():
+        plain = forward().sample
+        plain_ms = _time_ms(forward, dev, max(10, reps // 10))
+        swapped = fuse_adaln(model)
+        fused = forward().sample
+        fused_ms = _time_ms(forward, dev, max(10, reps // 10))
+        unfuse_adaln(model)
+    dit = {
+        "model": f"SD3Transformer2DModel {layers} layers, width {hidden}, {tokens} latent + {text} text tokens, "
+        f"batch {batch}, {s.dtype}",
+        "fused_norms": swapped,
+        "forward_ms_diffusers_norms": round(plain_ms, 4),
+        "forward_ms_fused_norms": round(fused_ms, 4),
+        "speedup": round(plain_ms / fused_ms, 4),
+        "max_abs_diff": (fused.float() - plain.float()).abs().max().item(),
+    }
+    return kernel, dit
+
+
 def check_correctness(s: Shapes) -> list[dict]:
     """Each kernel vs its reference at this run's dtype (bf16 on the GPU: ~3 significant digits)."""
     import torch
 
+    from omnistage.kernels.triton import adaln
     from omnistage.kernels.triton import elementwise as ew
     from omnistage.kernels.triton.decode_attention import paged_decode_attention, paged_decode_attention_ref
     from omnistage.kernels.triton.extend_attention import paged_extend_attention, paged_extend_attention_ref
@@ -239,6 +297,11 @@ def check_correctness(s: Shapes) -> list[dict]:
     axis = torch.tensor([i % 3 for i in range(32)] * 2, dtype=torch.int32, device=dev)
     xr = torch.randn(33, 4, 64, dtype=dt, device=dev)
     record("mrope", ew.rope_(xr.clone(), cos_t, sin_t, pos, axis), ew.rope_ref(xr, cos_t, sin_t, pos, axis))
+    xa, emb = torch.randn(2, 33, 1536, dtype=dt, device=dev), 0.5 * torch.randn(2, 6 * 1536, dtype=dt, device=dev)
+    shift, scale = emb.chunk(6, dim=1)[:2]
+    record(
+        "ada_layer_norm", adaln.ada_layer_norm(xa, shift, scale, 1e-6), adaln.ada_layer_norm_ref(xa, shift, scale, 1e-6)
+    )
     return results
 
 
@@ -362,12 +425,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"correctness: {sum(r['ok'] for r in result['correctness'])}/{len(result['correctness'])} ok", flush=True)
     result["kernels"] = bench_decode(s, args.hbm_gbps, args.reps) + [bench_extend(s, args.hbm_gbps, args.reps)]
     result["kernels"] += bench_elementwise(s, args.hbm_gbps, args.reps)
+    adaln_entry, result["dit"] = bench_dit(s, args.hbm_gbps, args.reps)
+    result["kernels"].append(adaln_entry)
     for k in result["kernels"]:
         print(f"{k['kernel']:<48} {k['triton_ms']:>9.4f} ms  x{k['speedup_vs_torch']:<6} "
               f"{100 * k['fraction_of_bandwidth']:.0f}% of bandwidth", flush=True)  # fmt: skip
     if not args.skip_engine:
         result["engine"] = bench_engine(s, args.hbm_gbps)
         print(json.dumps(result["engine"]), flush=True)
+    print(json.dumps(result["dit"]), flush=True)
     result["targets"] = _targets(result)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ _KERNEL_MODULES = [
     "omnistage.kernels.triton.decode_attention",
     "omnistage.kernels.triton.extend_attention",
     "omnistage.kernels.triton.engine_ops",
+    "omnistage.kernels.triton.adaln",
 ]
 for _name in _KERNEL_MODULES:
     if _name in sys.modules:

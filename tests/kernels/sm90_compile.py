@@ -6,6 +6,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from omnistage.kernels.triton import adaln as ad
 from omnistage.kernels.triton import decode_attention as da
 from omnistage.kernels.triton import elementwise as ew
 from omnistage.kernels.triton import extend_attention as ea
@@ -67,3 +68,5 @@ compile_(
 )
 compile_(ew._silu_mul_kernel, dict(G=P, U=P, OUT=P), dict(BLOCK=1024))
 compile_(ew._store_kv_kernel, dict(KV_NEW=P, SLOTS="*i64", CACHE=P), dict(D=64, D_PAD=64))
+compile_(ad._ada_layer_norm_kernel, dict(X=P, SHIFT=P, SCALE=P, OUT=P, eps="fp32"), dict(D=1536, D_PAD=2048))
+compile_(ad._ada_layer_norm_kernel, dict(X=P, SHIFT=P, SCALE=P, OUT=P, eps="fp32"), dict(D=3072, D_PAD=4096))

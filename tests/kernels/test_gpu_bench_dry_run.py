@@ -1,5 +1,6 @@
 """bench/gpu_kernels.py --dry-run: every part of the GPU script runs (CPU, interpreter, toy
-shapes) and writes its JSON; its greedy tokens agree with the kernels on and off."""
+shapes) and writes its JSON; its greedy tokens agree with the kernels on and off, and its DiT's
+output with the fused adaLN norms with diffusers' own."""
 
 from __future__ import annotations
 
@@ -18,11 +19,17 @@ def test_gpu_script_dry_run_writes_json(tmp_path):
     result = json.loads(out.read_text())
     assert result["dry_run"] is True
     assert [c["kernel"] for c in result["correctness"] if not c["ok"]] == []
-    assert len(result["correctness"]) == 6
+    assert len(result["correctness"]) == 7
     names = [k["kernel"].split()[0] for k in result["kernels"]]
-    assert names == ["decode_attention", "extend_attention", "add_rms_norm", "rope_qk_inplace", "silu_mul", "store_kv"]
+    assert names == [
+        "decode_attention", "extend_attention", "add_rms_norm", "rope_qk_inplace", "silu_mul", "store_kv",
+        "ada_layer_norm",
+    ]  # fmt: skip
     for k in result["kernels"]:
         assert k["triton_ms"] > 0 and k["torch_ms"] > 0 and k["bytes"] > 0
+    dit = result["dit"]
+    assert dit["fused_norms"] == 1  # one block: its norm1 (the last block's context norm is not adaLN-Zero)
+    assert dit["max_abs_diff"] < 1e-4 and dit["forward_ms_fused_norms"] > 0
     engine = result["engine"]
     assert engine["greedy_tokens_equal_on_off"] == "2/2"
     assert engine["triton"]["batch1_decode_step_ms"] > 0 and engine["torch"]["batch_output_tok_s"] > 0

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.kernels import triton as triton_kernels
 from omnistage.stages.params import MAX_SEED, MIN_SEED, Param, ParamSet
 
 
@@ -291,6 +292,10 @@ class DenoiserAdapter(ComponentLoading):
         self.dtype = dtype
         self.transformer = components["transformer"]
         self.scheduler_template = components["scheduler"]
+        if triton_kernels.selected(device):  # on CUDA by default; OMNISTAGE_TRITON=0 keeps diffusers'
+            from omnistage.stages.diffusion.fused_norms import fuse_adaln
+
+            fuse_adaln(self.transformer)
 
     # -- per request ----------------------------------------------------------------------
     def prepare(self, request_id: str, params: GenerationParams, text: TextConditioning) -> DenoiseState:
