@@ -6,8 +6,8 @@ application `omnistage serve --backend ray` runs, driven from this process by a 
 over the stage deployments' handles), alternating per run:
 - throughput: tiny-llm, `concurrency` requests at once (greedy, `max_tokens` each, EOS
   ignored), generated tokens per second; `ratios.ray_vs_embedded_throughput` = Ray / embedded.
-  One wave takes a fraction of a second, so a run alternates `waves` of each (embedded, Ray,
-  embedded, ...) and divides each side's tokens by its summed time. The generated tokens must
+  One wave takes a fraction of a second, so a run makes `waves` of each (embedded then Ray,
+  then Ray then embedded, ...) and divides each side's tokens by its summed time. The generated tokens must
   be equal on both (the run fails otherwise).
 - `ray.request_overhead_ms_p50`: p50 of `run()` through a one-stage no-op pipeline on Ray
   minus the same on the embedded runtime (one request at a time): what Serve's calls add.
@@ -66,12 +66,17 @@ def _wave(pipe, concurrency: int, max_tokens: int) -> tuple[float, list]:
 
 
 def _throughputs(embedded, remote, concurrency: int, max_tokens: int, waves: int) -> tuple[float, float]:
-    """Tokens per second of each side over `waves` alternating waves (embedded first)."""
+    """Tokens per second of each side over `waves` waves each, which side goes first
+    alternating (what one side leaves running in the background falls on both alike)."""
     emb_total = ray_total = 0.0
     tokens = 0
-    for _ in range(waves):
-        emb_s, emb_tokens = _wave(embedded, concurrency, max_tokens)
-        ray_s, ray_tokens = _wave(remote, concurrency, max_tokens)
+    for wave in range(waves):
+        if wave % 2 == 0:
+            emb_s, emb_tokens = _wave(embedded, concurrency, max_tokens)
+            ray_s, ray_tokens = _wave(remote, concurrency, max_tokens)
+        else:
+            ray_s, ray_tokens = _wave(remote, concurrency, max_tokens)
+            emb_s, emb_tokens = _wave(embedded, concurrency, max_tokens)
         if ray_tokens != emb_tokens:
             raise RuntimeError("Ray Serve generated other tokens than the embedded runtime")
         emb_total += emb_s

@@ -8,12 +8,13 @@ request and stage.
   emits of all the driver's requests there, a step's worth per item) and its deliveries,
   batched across requests (one `deliver` call in flight; what arrives meanwhile leaves
   together in the next). A link that fails fails the requests it carries, and only those.
-- StageOpener: the `open` calls of one stage. Requests that arrive together open together:
-  one call carries up to OPEN_BATCH of them (Serve picks one replica for the call, which
-  answers its id), and at most OPENS_IN_FLIGHT calls are out at once. A Serve call costs the
+- StageOpener: the `open` calls of one stage. Requests that arrive together (in one turn of
+  the driver's loop) open together, OPEN_BATCH to a call (Serve picks one replica for the
+  call, which answers its id); the calls of a burst leave at once. A Serve call costs the
   driver and the replica a few milliseconds of CPU whatever it carries, so 32 requests
   opened one call each kept a burst's last request out of the engine for ~100 ms on two
-  cores; the cap keeps a burst spread over several replicas.
+  cores; the cap per call keeps a burst spread over several replicas, and a call that hangs
+  holds only its own requests.
 - StageCall: one request at one stage: takes the permits, opens the request through the
   stage's opener with the deliveries that arrived so far, then hands everything to that
   replica's link. Cancelling it aborts the request on the replica.
@@ -32,7 +33,6 @@ from omnistage.runtime.messages import Deliver, Emit
 from omnistage.runtime.replicas import Replica
 
 OPEN_BATCH = 8  # requests per `open` call
-OPENS_IN_FLIGHT = 4  # `open` calls out at once per stage
 
 
 class DriverPermits:
@@ -147,40 +147,38 @@ class StageOpener:
         self.handle = handle
         self.channel = channel
         self.pending: list[tuple[str, list[Deliver], asyncio.Future[str]]] = []
-        self.in_flight = 0
+        self._tasks: set[asyncio.Task] = set()
 
     def open(self, rid: str, delivers: list[Deliver]) -> asyncio.Future[str]:
         """The id of the replica that took the request, once its `open` call has returned."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self.pending.append((rid, delivers, future))
-        if self.in_flight < OPENS_IN_FLIGHT:
-            self.in_flight += 1
-            loop.create_task(self._send())
+        task = loop.create_task(self._send())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return future
 
     async def _send(self) -> None:
-        batch: list[tuple[str, list[Deliver], asyncio.Future[str]]] = []
+        # the first task to run takes what is pending (OPEN_BATCH at most), the next the rest;
+        # the tasks of opens already taken find nothing and end
+        batch, self.pending = self.pending[:OPEN_BATCH], self.pending[OPEN_BATCH:]
+        if not batch:
+            return
         try:
-            while self.pending:
-                batch, self.pending = self.pending[:OPEN_BATCH], self.pending[OPEN_BATCH:]
-                try:
-                    pin = await self.handle.open.remote(self.channel, [(rid, delivers) for rid, delivers, _ in batch])
-                except Exception as exc:  # noqa: BLE001 - each request of the call fails with it
-                    for *_, future in batch:
-                        if not future.done():
-                            future.set_exception(exc)
-                    continue
-                for *_, future in batch:
-                    if not future.done():
-                        future.set_result(pin)
-                batch = []
+            pin = await self.handle.open.remote(self.channel, [(rid, delivers) for rid, delivers, _ in batch])
         except asyncio.CancelledError:  # the driver's loop is stopping
-            for *_, future in batch + self.pending:
+            for *_, future in batch:
                 future.cancel()
             raise
-        finally:
-            self.in_flight -= 1
+        except Exception as exc:  # noqa: BLE001 - each request of the call fails with it
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for *_, future in batch:
+            if not future.done():
+                future.set_result(pin)
 
 
 class StageCall:

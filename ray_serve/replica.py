@@ -145,7 +145,8 @@ class StageReplica:
         ch = self._channel(channel)
         try:
             while True:
-                # bytes cross Ray without its serializer's per-object work (~5x pickle's for a list of emits)
+                # bytes cross Ray without its serializer's per-object work: 360 vs 70 us for 128
+                # token emits, 25 vs 6 ms for an emit holding a 4 MiB tensor (pickle's time)
                 yield pickle.dumps(await ch.next_batch(), protocol=pickle.HIGHEST_PROTOCOL)
         finally:  # the driver is gone (or cancelled the stream): its requests end here
             self._channels.pop(channel, None)

@@ -73,7 +73,7 @@ def create_app(
     install_error_handlers(app)
     install_api_docs(app)
     for module in modules:
-        app.router.routes.extend(module.router.routes)
+        app.router.routes.extend(_module_routes(module))
     for router in routers:
         app.include_router(router)
     if api_keys is not None:
@@ -81,3 +81,12 @@ def create_app(
     app.add_middleware(RequestGuard, host_policy=host_policy, max_body_bytes=max_body_bytes)
     app.add_middleware(ServingMiddleware, registry=registry, metrics=app.state.metrics)
     return app
+
+
+def _module_routes(module) -> list:
+    """A route module's routes. Its router's own lifespan or event handlers would not run once
+    its routes join the app's list: the module exposes `lifespan` instead."""
+    router = module.router
+    if router.on_startup or router.on_shutdown or type(router.lifespan_context).__name__ != "_DefaultLifespan":
+        raise TypeError(f"{module.__name__}: give the module a `lifespan`, not its router (serving/routes/__init__.py)")
+    return router.routes

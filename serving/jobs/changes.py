@@ -1,8 +1,8 @@
 """ChangeSignal: wakes every task waiting for the store's next change.
 
-`notify()` is synchronous and creates no task (a burst of submissions notifies once per job);
-a waiter that times out reads the store again anyway, so a notification that falls between
-its read and its wait costs at most one timeout.
+`notify()` is synchronous and creates no task (a burst of submissions notifies once per job).
+A reader takes `mark()` before it reads the store and waits on that mark afterwards, so a
+change notified between its read and its wait wakes it at once.
 """
 
 from __future__ import annotations
@@ -18,9 +18,13 @@ class ChangeSignal:
         self._event.set()
         self._event = asyncio.Event()
 
-    async def wait(self, timeout: float) -> bool:
-        """True when a change came within `timeout` seconds."""
-        event = self._event
+    def mark(self) -> asyncio.Event:
+        """The next change's event, taken before a read of what it may change."""
+        return self._event
+
+    async def wait(self, timeout: float, mark: asyncio.Event | None = None) -> bool:
+        """True when a change came (since `mark`, or from now) within `timeout` seconds."""
+        event = mark if mark is not None else self._event
         try:
             async with asyncio.timeout(timeout):
                 await event.wait()

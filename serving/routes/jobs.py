@@ -198,6 +198,7 @@ async def job_events(
         last_read = False
         while True:
             finished = False
+            change = service.changed.mark()
             for event in service.store.events_after(job_id, after):
                 after = event.seq
                 yield sse_event({"type": event.type, "job_id": job_id, "created_at": event.created_at,
@@ -209,7 +210,7 @@ async def job_events(
                 # the end event commits with the status, maybe after the read above: read once more
                 last_read = True
                 continue
-            idle = 0 if await service.changed.wait(POLL_S) else idle + 1
+            idle = 0 if await service.changed.wait(POLL_S, change) else idle + 1
             if idle and idle % int(KEEPALIVE_S / POLL_S) == 0:
                 yield sse_comment("keep-alive")
 
@@ -237,6 +238,7 @@ async def job_stream(websocket: WebSocket, job_id: str):
 async def _send_stream(websocket: WebSocket, service: JobService, job_id: str) -> None:
     after, sent, live = 0, 0, None
     while True:
+        change = service.changed.mark()
         live = live or service.scheduler.live.get(job_id)
         if live is not None:
             for segment in live.segments[sent:]:
@@ -253,7 +255,7 @@ async def _send_stream(websocket: WebSocket, service: JobService, job_id: str) -
             await websocket.send_json({"id": event.seq, "type": event.type, "job_id": job_id, **event.data})
             if event.type in ("completed", "failed", "canceled"):
                 return
-        await service.changed.wait(POLL_S)
+        await service.changed.wait(POLL_S, change)
 
 
 async def _send_file(websocket: WebSocket, service: JobService, job_id: str) -> None:
@@ -274,6 +276,7 @@ async def job_stream_download(job_id: str, request: Request):
     async def segments():
         sent, live = 0, None
         while True:
+            change = service.changed.mark()
             live = live or service.scheduler.live.get(job_id)
             if live is not None:
                 for segment in live.segments[sent:]:
@@ -289,7 +292,7 @@ async def job_stream_download(job_id: str, request: Request):
                         if path is not None:
                             yield await asyncio.to_thread(path.read_bytes)
                     return
-            await service.changed.wait(POLL_S)
+            await service.changed.wait(POLL_S, change)
 
     return StreamingResponse(segments(), media_type=streamed[0].media_type)
 

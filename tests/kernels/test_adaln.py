@@ -119,3 +119,23 @@ def test_the_denoiser_fuses_when_the_kernels_are_selected(monkeypatch, setting, 
     model = _sd3()
     DenoiserAdapter({"transformer": model, "scheduler": None}, torch.device("cpu"), torch.float32)
     assert sum(type(m) is FusedAdaLayerNormZero for m in model.modules()) == fused
+
+
+def test_what_the_kernel_does_not_cover_runs_diffusers_code():
+    """A conditioning row broadcast over the batch, another dtype, or a forward that wants
+    gradients (the kernel has none) give diffusers' own result."""
+    torch.manual_seed(0)
+    plain = AdaLayerNormZero(16)
+    fused = AdaLayerNormZero(16)
+    fused.load_state_dict(plain.state_dict())
+    assert fuse_adaln(fused) == 1
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    emb = torch.randn(2, 16)
+    out = fused(x, emb=emb)[0]
+    torch.testing.assert_close(out, plain(x, emb=emb)[0], atol=0, rtol=0)
+    out.sum().backward()
+    assert x.grad is not None and fused.linear.weight.grad is not None
+    with torch.no_grad():
+        one_row = torch.randn(1, 16)
+        torch.testing.assert_close(fused(x, emb=one_row)[0], plain(x, emb=one_row)[0], atol=0, rtol=0)
+        torch.testing.assert_close(fused(x, emb=emb)[0], plain(x, emb=emb)[0], **TOL["float32"])
