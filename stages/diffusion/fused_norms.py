@@ -13,7 +13,7 @@ import torch
 from diffusers.models.normalization import AdaLayerNormZero, AdaLayerNormZeroSingle
 
 
-def _fusable(x: torch.Tensor, emb: torch.Tensor | None) -> bool:
+def _fusable(norm: torch.nn.Module, x: torch.Tensor, emb: torch.Tensor | None) -> bool:
     """The kernel's case: [B, N, D] hidden states with a conditioning row per sample of their
     dtype, and no gradient wanted (it has no backward); anything else runs diffusers' code."""
     return (
@@ -22,17 +22,13 @@ def _fusable(x: torch.Tensor, emb: torch.Tensor | None) -> bool:
         and x.stride(-1) == 1
         and emb.shape[0] == x.shape[0]
         and emb.dtype == x.dtype
-        and not (torch.is_grad_enabled() and (x.requires_grad or emb.requires_grad))
+        and not (torch.is_grad_enabled() and (x.requires_grad or emb.requires_grad or norm.linear.weight.requires_grad))
     )
-
-
-def _trains(module: torch.nn.Module) -> bool:
-    return torch.is_grad_enabled() and module.linear.weight.requires_grad
 
 
 class FusedAdaLayerNormZero(AdaLayerNormZero):
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-        if self.emb is not None or not _fusable(x, emb) or _trains(self):
+        if self.emb is not None or not _fusable(self, x, emb):
             return super().forward(x, timestep, class_labels, hidden_dtype, emb)
         from omnistage.kernels.triton import adaln
 
@@ -42,7 +38,7 @@ class FusedAdaLayerNormZero(AdaLayerNormZero):
 
 class FusedAdaLayerNormZeroSingle(AdaLayerNormZeroSingle):
     def forward(self, x, emb=None):
-        if not _fusable(x, emb) or _trains(self):
+        if not _fusable(self, x, emb):
             return super().forward(x, emb)
         from omnistage.kernels.triton import adaln
 
