@@ -159,6 +159,16 @@ class StageOpener:
         task.add_done_callback(self._tasks.discard)
         return future
 
+    def withdraw(self, rid: str) -> bool:
+        """Take back an open no call has taken yet (its future is cancelled): True when it was
+        still waiting, so the replica never hears of the request."""
+        for i, (pending_rid, _, future) in enumerate(self.pending):
+            if pending_rid == rid:
+                del self.pending[i]
+                future.cancel()
+                return True
+        return False
+
     async def _send(self) -> None:
         # the first task to run takes what is pending (OPEN_BATCH at most), the next the rest;
         # the tasks of opens already taken find nothing and end
@@ -209,6 +219,8 @@ class StageCall:
             self.link.abort(self.rid)
         elif not self.opening:
             self.task.cancel()  # still waiting for permits: nothing was opened
+        elif self.driver.opener_for(self.replica.stage).withdraw(self.rid):
+            pass  # its open had not left yet: nothing was opened
         # while `open` is in flight, _open aborts once it knows the replica
 
     async def _open(self) -> None:
