@@ -74,6 +74,16 @@ def check_image_size(width: int, height: int, param: str) -> None:
         raise InvalidRequestError(message, param, code="image_too_large")
 
 
+def image_problem(exc: BaseException) -> str:
+    """Why Pillow could not read an image, in words for the client (Pillow's own message for
+    an unknown format names the BytesIO object it was given)."""
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        return "its format is not one the server reads (PNG, JPEG, WebP, GIF, BMP, TIFF, ...)"
+    return str(exc)
+
+
 def open_image(source: bytes | bytearray | str | Path, param: str):
     """A Pillow image opened from encoded bytes or a path, its declared size checked against
     MAX_IMAGE_PIXELS from the header, before any pixel is decoded."""

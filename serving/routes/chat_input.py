@@ -17,7 +17,7 @@ from typing import Any
 from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
 from omnistage.serving.routes.chat_video import video_bytes
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid
-from omnistage.stages.media_limits import MAX_AUDIO_SECONDS, check_audio_size, open_image
+from omnistage.stages.media_limits import MAX_AUDIO_SECONDS, check_audio_size, image_problem, open_image
 
 
 def decode_base64(data: str, param: str) -> bytes:
@@ -40,7 +40,7 @@ def _image_bytes(part: ImagePart, param: str) -> bytes:
         with open_image(data, param) as img:
             img.verify()
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
+        raise invalid(f"{param} is not a decodable image: {image_problem(exc)}", param, code="invalid_image") from exc
     return data
 
 

@@ -34,7 +34,7 @@ from omnistage.serving.routes.images import (
     run_images,
 )
 from omnistage.serving.routes.served import UnsupportedError, invalid, served_pipeline
-from omnistage.stages.media_limits import check_image_size
+from omnistage.stages.media_limits import check_image_size, image_problem
 
 router = APIRouter(tags=["openai"])
 
@@ -86,7 +86,7 @@ async def _pixels(upload: UploadFile, param: str = "image", mode: str = "RGB") -
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
-        raise invalid(f"{param} is not a decodable image: {exc}", param, code="invalid_image") from exc
+        raise invalid(f"{param} is not a decodable image: {image_problem(exc)}", param, code="invalid_image") from exc
 
 
 async def _with_mask(pixels: np.ndarray, mask: UploadFile) -> np.ndarray:

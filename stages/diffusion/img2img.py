@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stages.media_limits import image_problem
 
 DEFAULT_STRENGTH = 0.6
 
@@ -51,7 +52,7 @@ def image_and_mask(image: Any):
             img = Image.open(io.BytesIO(bytes(image)))
             img.load()
         except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
-            raise InvalidRequestError(f"image: not a decodable image ({exc})", param="image") from None
+            raise InvalidRequestError(f"image: not a decodable image: {image_problem(exc)}", param="image") from None
         return img.convert("RGB"), None
     array = image.cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if array.ndim == 4 and array.shape[0] == 1:
