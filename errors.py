@@ -14,13 +14,20 @@ class InvalidRequestError(OmnistageError):
     """The request itself is wrong (bad parameter, prompt too long, ...)."""
 
     status = 400
-    code = "invalid_request_error"
+    code = "invalid_request"  # a subclass's own reason replaces it
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
         if code is not None:  # a more specific reason than the class's (image_too_large, ...)
             self.code = code
+        elif param is not None and type(self).code == InvalidRequestError.code:
+            self.code = "invalid_value"  # as a schema violation naming its field is
+
+
+# the codes InvalidRequestError gives itself (from whether a param is named): not sent along
+# with a stage's error, which the receiving side rebuilds with the same param
+DEFAULT_INVALID_CODES = frozenset({"invalid_request", "invalid_value"})
 
 
 class ContextLengthExceededError(InvalidRequestError):

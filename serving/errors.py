@@ -113,6 +113,11 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         detail = (first.get("ctx") or {}).get("error")
         message = "We could not parse the JSON body of your request" + (f" ({detail})." if detail else ".")
         return error_response(message, status=400, code="invalid_json")
+    if param is None and first.get("type") == "missing":
+        return error_response("The request has no body: send a JSON object.", status=400, code="missing_body")
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        message = "The request body must be a JSON object, sent with Content-Type: application/json."
+        return error_response(message, status=400, code="invalid_body")
     message = f"{param}: {msg}" if param else msg
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import DEFAULT_INVALID_CODES, InvalidRequestError
 from omnistage.stages.base import Emission
 
 # The types a port (of a stage kind, or of a pipeline's inputs/outputs) may declare.
@@ -67,7 +67,7 @@ def error_emission(request_id: str, exc: BaseException) -> Emission:
     message as is); anything else is a stage failure (500, with the exception type)."""
     if isinstance(exc, InvalidRequestError):
         # a specific code (context_length_exceeded) travels as "invalid_request:CODE"
-        kind = "invalid_request" if exc.code == InvalidRequestError.code else f"invalid_request:{exc.code}"
+        kind = "invalid_request" if exc.code in DEFAULT_INVALID_CODES else f"invalid_request:{exc.code}"
         return Emission(request_id, finished=True, error=str(exc), error_kind=kind, param=exc.param)
     return Emission(request_id, finished=True, error=f"{type(exc).__name__}: {exc}", error_kind="internal")
 

@@ -27,6 +27,8 @@ def _wav() -> str:
 CASES = [
     # (name, path, body or raw bytes, status, code, param)
     ("malformed-json", CHAT, b'{"model": "tiny-llm", "messages": [', 400, "invalid_json", None),
+    ("empty-body", CHAT, b"", 400, "missing_body", None),
+    ("json-array-body", CHAT, b"[]", 400, "invalid_body", None),
     (
         "wrong-type",
         CHAT,
@@ -152,8 +154,17 @@ def test_bad_input_is_answered_and_the_server_stays_healthy(api_server, path, bo
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert " object at 0x" not in err["message"], err  # words for the client, not a Python repr
     if code is not None:
         assert err["code"] == code, err
     assert err["param"] == param, err
     good = httpx.post(api_server.url + CHAT, json={"model": "tiny-llm", "messages": USER, "max_tokens": 2}, timeout=60)
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_json_body_without_its_content_type_is_told_to_send_one(api_server):
+    body = b'{"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}]}'
+    r = httpx.post(api_server.url + CHAT, content=body, headers={"content-type": "text/plain"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_body" and "Content-Type: application/json" in err["message"], err

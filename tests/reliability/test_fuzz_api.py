@@ -260,7 +260,7 @@ def test_job_params_are_refused_at_once_or_by_their_stage(server, stage_params):
         # the job when it runs, with the stage's own 400 error
         if job["status"] != "completed":
             error = job["error"]
-            assert job["status"] == "failed" and error["code"] == "invalid_request_error" and error["message"], job
+            assert job["status"] == "failed" and error["code"] == "invalid_value" and error["message"], job
             declared = {name for names in stage_params[pipeline].values() for name in names}
             assert error.get("param") in declared, (params, job)  # an undeclared one is refused at once
 

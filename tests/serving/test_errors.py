@@ -65,7 +65,7 @@ def test_a_union_fields_error_names_the_field_not_the_member_type():
 
 def test_omnistage_errors_map_by_status_and_code():
     expected = {
-        "invalid": (400, "invalid_request_error", "invalid_request_error"),
+        "invalid": (400, "invalid_request_error", "invalid_value"),
         "overloaded": (503, "server_error", "overloaded"),
         "deadline": (504, "server_error", "deadline_exceeded"),
         "stage": (500, "server_error", "stage_error"),
