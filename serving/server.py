@@ -42,6 +42,11 @@ class DrainingServer(uvicorn.Server):
         self.drain_deadline: float | None = None
         self.cut_deadline: float | None = None  # set when the drain timeout cut requests
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # said once the port is bound (uvicorn exits when it cannot bind)
+            log.info("serving %s on http://%s:%d", ", ".join(self.registry.names()), self.config.host, self.config.port)
+
     def handle_exit(self, sig: int, frame) -> None:
         # Unlike uvicorn's own handler this does not record the signal for re-raising at the
         # end, so a drained shutdown exits with status 0.
@@ -118,7 +123,6 @@ def serve(
     except (OSError, ValueError) as err:
         print(f"omnistage serve: {err}", file=sys.stderr)
         return 2
-    log.info("serving %s on http://%s:%d", ", ".join(registry.names()), host, port)
     registry.on_loaded = freeze_heap
 
     host_policy = HostPolicy.for_bind(host, allowed_hosts)

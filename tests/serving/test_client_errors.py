@@ -6,6 +6,7 @@ bound to loopback answers only loopback Host names (DNS rebinding)."""
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import pytest
@@ -29,7 +30,7 @@ def _error(response: httpx.Response, status: int, code: str) -> dict:
 def test_bad_param_is_400_naming_the_param_streamed_or_not(tiny_server, stream):
     body = {"inputs": {"prompt": "hi"}, "params": {"llm": {"max_tokens": -4}}, "stream": stream}
     r = httpx.post(tiny_server.url + RUN, json=body, timeout=60)
-    err = _error(r, 400, "invalid_request_error")
+    err = _error(r, 400, "invalid_value")
     assert err["param"] == "max_tokens"
     assert "max_tokens" in err["message"]
 
@@ -125,6 +126,21 @@ def test_non_loopback_bind_warns_that_there_is_no_authentication(tmp_path):
         server.stop()
     log = server.log()
     assert "not a loopback address" in log and "no authentication" in log, log
+    assert f"serving tiny-llm on http://0.0.0.0:{server.port}" in log, log
+
+
+def test_a_taken_port_is_an_error_and_never_announced_as_served(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        server = start_server(["tiny-llm"], tmp_path / "server.log", port=taken.getsockname()[1])
+        try:
+            assert server.proc.wait(120) != 0
+        finally:
+            server.stop()
+    log = server.log()
+    assert "address already in use" in log.lower(), log
+    assert "serving tiny-llm on" not in log, log
 
 
 def test_docs_page_loads_its_assets_from_this_server(tiny_server):
@@ -147,7 +163,7 @@ def test_official_openai_client_reads_stage_errors_with_their_param(tiny_server)
     with pytest.raises(openai.BadRequestError) as info:
         client.post("/pipelines/tiny-llm/run", body=body, cast_to=object)
     assert info.value.status_code == 400
-    assert info.value.param == "temperature" and info.value.code == "invalid_request_error"
+    assert info.value.param == "temperature" and info.value.code == "invalid_value"
     with pytest.raises(openai.NotFoundError) as info:
         client.post("/pipelines/nope/run", body={"inputs": {}}, cast_to=object)
     assert info.value.code == "model_not_found" and info.value.param == "model"
