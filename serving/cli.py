@@ -1,7 +1,6 @@
-"""`omnistage` command line: serve, ray-config, validate, schema, graph, bench.
+"""`omnistage` command line: serve, ray-config, validate, schema, graph, bench."""
 
-Each subcommand imports its implementation lazily so `omnistage validate` stays fast.
-"""
+# Each subcommand imports its implementation when it runs, so `omnistage validate` stays fast.
 
 from __future__ import annotations
 
@@ -77,22 +76,26 @@ def _ray_options(args: argparse.Namespace):
     return BackendOptions(args.ray_cpus_per_thread, args.ingress_replicas, drain_timeout=drain, api_keys=keys)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnistage", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the HTTP server on one or more pipelines")
-    p.add_argument("configs", nargs="*", help="pipeline YAML files or names under configs/")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
     p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds in-flight requests may still run"
+        "configs",
+        nargs="*",
+        help="pipeline YAML files or names under configs/ (default: every configs/tiny-*.yaml)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may still run (default 30)",
     )
     p.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,
-        help="seconds a pipeline may take to load before it is marked failed",
+        help="seconds a pipeline may take to load before it is marked failed (default 600)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -137,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ray_options(p, backend=True)
     _add_jobs_options(p)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omnistage",
+        description="Serve multi-stage generative pipelines (YAML) over HTTP, check and draw them, benchmark them.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_serve_parser(sub)
     _add_ray_config_parser(sub)
 
     p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
@@ -151,11 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output file (required for png)")
     _add_overrides(p)
 
-    p = sub.add_parser("bench", help="benchmarks: runtime, ar, ar_engine, diffusion, api, omni; plot a result")
-    p.add_argument(
-        "which", choices="runtime ar ar_engine diffusion api omni omni_token2wav jobs soak realtime plot".split()
+    benches = "runtime ar ar_engine diffusion api omni omni_token2wav jobs soak realtime plot".split()
+    p = sub.add_parser(
+        "bench",
+        help=f"run a benchmark ({', '.join(benches[:-1])}) or plot a result; `bench NAME --help` for its options",
     )
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p.add_argument("which", choices=benches)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (--quick, --json FILE, ...)")
     return parser
 
 
