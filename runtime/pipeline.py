@@ -73,8 +73,8 @@ class _CreditOutbox:
         self._tally = CreditTally(half)
         self._scheduled = False
 
-    def took(self, rid: str, port: str, data: Any) -> None:
-        if self._tally.took(rid, port, data_nbytes(data)) and not self._scheduled:
+    def took(self, rid: str, port: str, nbytes: int) -> None:
+        if self._tally.took(rid, port, nbytes) and not self._scheduled:
             self._scheduled = True
             self._loop.call_soon(self.flush)
 
@@ -224,6 +224,25 @@ class Pipeline:
             e.dst.port: half_window(e.stream) for e in self.spec.edges if e.dst.stage == PIPELINE_OUTPUTS and e.stream
         }
 
+    def _submit(self, inputs, params, request_id, deadline_s) -> tuple[str, asyncio.Queue, _CreditOutbox | None]:
+        """Start a request whose chunks arrive in the returned queue (on this event loop)."""
+        loop = asyncio.get_running_loop()
+        inbox = _inbox(loop)
+        items: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: Any) -> None:
+            inbox.put(items, item)
+
+        deadline = time.time() + deadline_s if deadline_s is not None else None
+        rid = self._orch.submit(inputs, params, sink, request_id, deadline)
+        return rid, items, self._credit_outbox(loop)
+
+    def _ended(self, rid: str, outbox: _CreditOutbox | None, done: bool) -> None:
+        if outbox is not None:
+            outbox.forget(rid)
+        if not done:
+            self._orch.abort(rid)
+
     async def stream(
         self,
         inputs: dict[str, Any],
@@ -232,16 +251,8 @@ class Pipeline:
         request_id: str | None = None,
         deadline_s: float | None = None,
     ) -> AsyncIterator[OutputChunk]:
-        loop = asyncio.get_running_loop()
-        inbox = _inbox(loop)
-        outbox = self._credit_outbox(loop)
-        items: asyncio.Queue = asyncio.Queue()
-
-        def sink(item: Any) -> None:
-            inbox.put(items, item)
-
-        deadline = time.time() + deadline_s if deadline_s is not None else None
-        rid = self._orch.submit(inputs, params, sink, request_id, deadline)
+        """The request's output chunks, in the order the stages emitted them."""
+        rid, items, outbox = self._submit(inputs, params, request_id, deadline_s)
         done = False
         try:
             while True:
@@ -253,12 +264,43 @@ class Pipeline:
                     return
                 yield item
                 if outbox is not None and item.port is not None and item.data is not None:
-                    outbox.took(rid, item.port, item.data)  # the reader is done with it
+                    outbox.took(rid, item.port, data_nbytes(item.data))  # the reader is done with it
         finally:
-            if outbox is not None:
-                outbox.forget(rid)
-            if not done:
-                self._orch.abort(rid)
+            self._ended(rid, outbox, done)
+
+    async def stream_batches(
+        self,
+        inputs: dict[str, Any],
+        params: dict[str, dict] | None = None,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> AsyncIterator[list[OutputChunk]]:
+        """The same chunks, as lists: each holds every chunk that had arrived when the reader
+        came for more. A reader that writes each list out at once (an HTTP stream) wakes once
+        per list, and one that fell behind catches up in one go."""
+        rid, items, outbox = self._submit(inputs, params, request_id, deadline_s)
+        done = False
+        try:
+            while True:
+                batch = [await items.get()]
+                while not items.empty() and not isinstance(batch[-1], RequestEnd):
+                    batch.append(items.get_nowait())
+                end = batch.pop() if isinstance(batch[-1], RequestEnd) else None
+                if batch:
+                    taken = [(c.port, data_nbytes(c.data)) for c in batch if c.port is not None and c.data is not None]
+                    yield batch
+                    batch = None  # the chunks (shared memory) are the reader's alone now
+                    if outbox is not None:  # the reader is done with them
+                        for port, nbytes in taken:
+                            outbox.took(rid, port, nbytes)
+                if end is not None:
+                    done = True
+                    if end.error is not None:
+                        raise end.error
+                    return
+        finally:
+            self._ended(rid, outbox, done)
 
     async def generate(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, **kw) -> dict[str, Any]:
         chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}

@@ -116,7 +116,7 @@ def _speech_info(served: Served, outputs: dict[str, Any]) -> dict[str, Any] | No
 
 
 async def _stream(request, served: Served, body, inputs, params, request_id, tokenizer, spoken) -> StreamingResponse:
-    stream = served.pipeline.stream(inputs, params, request_id=request_id)
+    stream = served.pipeline.stream_batches(inputs, params, request_id=request_id)
     first = await first_then_rest(request, stream)
     created, text_port, info_port, audio_port = now(), served.port("text"), served.port("info"), served.port("audio")
     speech_info_port = served.port("speech_info") if spoken else None
@@ -135,31 +135,40 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
     content_event = spliced_encoder(
         chunk([{"index": 0, "delta": {"content": TEXT_SLOT}, "logprobs": None, "finish_reason": None}])
     )
+    ends: dict[str, Any] = {"info": None, "speech_info": {} if speech_info_port is not None else None}
+
+    def delta(item) -> Any:
+        """The event of one chunk (None: no event; its info is kept for the end)."""
+        if item.port == text_port and item.data and not spoken:
+            return TextDelta(item.data, content_event)  # merged with its neighbours in the batch
+        if item.port == text_port and item.data:
+            audio = {"audio": {"id": audio_id, "transcript": item.data}}
+            return chunk([{"index": 0, "delta": audio, "logprobs": None, "finish_reason": None}])
+        if spoken and item.port == audio_port and item.data is not None and len(item.data):
+            audio = {"audio": {"id": audio_id, "data": pcm16_b64(item.data)}}
+            return chunk([{"index": 0, "delta": audio, "logprobs": None, "finish_reason": None}])
+        if item.port == info_port and item.data is not None:
+            ends["info"] = item.data
+        elif item.port == speech_info_port and item.data is not None:
+            ends["speech_info"] = item.data
+        return None
 
     async def events():
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])
-        info = None
-        speech_info = {} if speech_info_port is not None else None
-        async for item in first:
-            if item.port == text_port and item.data and not spoken:
-                yield TextDelta(item.data, content_event)  # merged with its neighbours if queued
-            elif item.port == text_port and item.data:
-                delta = {"audio": {"id": audio_id, "transcript": item.data}}
-                yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-            elif spoken and item.port == audio_port and item.data is not None and len(item.data):
-                delta = {"audio": {"id": audio_id, "data": pcm16_b64(item.data)}}
-                yield chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-            elif item.port == info_port and item.data is not None:
-                info = item.data
-            elif item.port == speech_info_port and item.data is not None:
-                speech_info = item.data
-        for c in choices_of("", info, body.n):
+        head = [chunk([{"index": i, "delta": {"role": "assistant", "content": ""}} for i in range(body.n)])]
+        async for batch in first:
+            out, head = head, []
+            out.extend(e for e in map(delta, batch) if e is not None)
+            if out:
+                yield out
+        tail = []
+        for c in choices_of("", ends["info"], body.n):
             rest = c["text"] if c["index"] > 0 and c.get("text") else None
             logprobs = chat_logprobs(tokenizer, c.get("logprobs") or []) if tokenizer is not None else None
-            delta = {"content": rest} if rest else {}
             reason = finish_reason(c["finish_reason"])
-            yield chunk([{"index": c["index"], "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+            final = {"content": rest} if rest else {}
+            tail.append(chunk([{"index": c["index"], "delta": final, "logprobs": logprobs, "finish_reason": reason}]))
         if body.include_usage:
-            yield chunk([], usage=usage(info, speech_info))
+            tail.append(chunk([], usage=usage(ends["info"], ends["speech_info"])))
+        yield head + tail
 
     return sse_stream(events(), stream)

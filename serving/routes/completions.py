@@ -127,7 +127,7 @@ def _choice(index: int, text: str, c: dict[str, Any], tokenizer: Any, reason: st
 
 
 async def _stream(request, served: Served, body, inputs, params, request_id, tokenizer) -> StreamingResponse:
-    stream = served.pipeline.stream(inputs, params, request_id=request_id)
+    stream = served.pipeline.stream_batches(inputs, params, request_id=request_id)
     first = await first_then_rest(request, stream)
     created, text_port, info_port = now(), served.port("text"), served.port("info")
 
@@ -139,15 +139,21 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
 
     async def events():
         info = None
-        async for item in first:
-            if item.port == text_port and item.data:
-                yield TextDelta(item.data, text_event)  # merged with its neighbours if queued
-            elif item.port == info_port and item.data is not None:
-                info = item.data
+        async for batch in first:
+            out = []
+            for item in batch:
+                if item.port == text_port and item.data:
+                    out.append(TextDelta(item.data, text_event))  # merged with its neighbours in the batch
+                elif item.port == info_port and item.data is not None:
+                    info = item.data
+            if out:
+                yield out
+        tail = []
         for c in choices_of("", info, body.n):
             rest = c["text"] if c["index"] > 0 and c.get("text") else ""
-            yield chunk([_choice(c["index"], rest, c, tokenizer, finish_reason(c["finish_reason"]))])
+            tail.append(chunk([_choice(c["index"], rest, c, tokenizer, finish_reason(c["finish_reason"]))]))
         if body.include_usage:
-            yield chunk([], usage=usage(info))
+            tail.append(chunk([], usage=usage(info)))
+        yield tail
 
     return sse_stream(events(), stream)

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from omnistage.errors import InvalidRequestError
 from omnistage.serving.routes.images import ImageJob, rename_size_param
 from omnistage.serving.routes.served import new_id, now
-from omnistage.serving.routes.streams import first_then_rest, sse_stream
+from omnistage.serving.routes.streams import first_then_rest, one_per_batch, sse_stream
 
 
 def _event(job: ImageJob, kind: str, suffix: str, pixels: Any, **extra: Any) -> tuple[str, dict[str, Any]]:
@@ -64,4 +64,4 @@ async def stream_images(request: Request, job: ImageJob, kind: str) -> Streaming
             elif item.port == image_port:
                 yield _event(job, kind, "completed", item.data, usage={**usage, "output_tokens": 0, "total_tokens": 0})
 
-    return sse_stream(events(), stream, done=False)
+    return sse_stream(one_per_batch(events()), stream, done=False)

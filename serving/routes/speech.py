@@ -26,7 +26,7 @@ from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.media import DEFAULT_SAMPLE_RATE
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, served_pipeline
 from omnistage.serving.routes.speech_audio import SpeechEncoder
-from omnistage.serving.routes.streams import sse_stream
+from omnistage.serving.routes.streams import one_per_batch, sse_stream
 from omnistage.streaming.audio import AUDIO_MEDIA_TYPES
 
 router = APIRouter(tags=["openai"])
@@ -97,7 +97,8 @@ async def create_speech(body: SpeechRequest, request: Request):
         yield encoder.finish()
 
     if body.stream_format == "sse":
-        return sse_stream(_sse_events(audio_bytes(), lambda: _usage(served, infos)), stream, done=False)
+        events = _sse_events(audio_bytes(), lambda: _usage(served, infos))
+        return sse_stream(one_per_batch(events), stream, done=False)
 
     async def body_bytes():
         try:

@@ -1,10 +1,10 @@
-"""SSE plumbing shared by the OpenAI routes: wait for a pipeline stream's first chunk before any
-byte is sent (so a refusal at admission keeps its HTTP status), then frame events as SSE, report
-a failure after the headers in-band in OpenAI's error shape, and end with `data: [DONE]`."""
+"""SSE plumbing shared by the OpenAI routes: wait for a pipeline stream's first batch of chunks
+before any byte is sent (so a refusal at admission keeps its HTTP status), then frame each batch
+of events as one SSE write, report a failure after the headers in-band in OpenAI's error shape,
+and end with `data: [DONE]`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -20,8 +20,8 @@ from omnistage.streaming.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_e
 
 
 async def first_then_rest(request: Request, stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Awaits the stream's first chunk now (errors raise here, before the response starts);
-    returns an iterator over that chunk and the rest."""
+    """Awaits the stream's first item (a chunk, or a batch of them) now: errors raise here,
+    before the response starts. Returns an iterator over that item and the rest."""
     try:
         first = await unless_disconnected(request, anext(stream))
     except StopAsyncIteration:
@@ -44,9 +44,9 @@ def error_event(err: OmnistageError) -> dict[str, Any]:
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     """A streamed text delta and how its event is encoded (`encode(text)` -> the event's JSON).
-    Deltas of one encoder still queued when the writer comes round leave as one event with
-    their texts joined: a stream whose server fell behind sends fewer, longer deltas instead
-    of a backlog of one-token events, which keeps both ends' cost per token down."""
+    Adjacent deltas of one encoder in a batch leave as one event with their texts joined: a
+    stream whose server fell behind sends fewer, longer deltas instead of a backlog of
+    one-token events, which keeps both ends' cost per token down."""
 
     text: str
     encode: Callable[[str], str]
@@ -79,63 +79,46 @@ def _frames(parts: list[Any]) -> bytes:
             encode, texts = part.encode, [part.text]
         elif isinstance(part, tuple):
             out.append(sse_event(part[1], event=part[0]))
-        elif part is not _END and not isinstance(part, BaseException):
+        else:
             out.append(sse_event(part))
     if encode is not None:
         out.append(sse_event(encode("".join(texts))))
     return b"".join(out)
 
 
-# Encoded events a stream may hold ahead of its client: beyond this the producer waits for the
-# socket (backpressure), as when each event was written before the next was made.
-COALESCE_MAX_EVENTS = 256
-_END = object()
-
-
-async def _encoded(events: AsyncIterator[Any], queue: asyncio.Queue) -> None:
-    """Producer: every event (encoded by the writer), an in-band error event, or the
-    exception, then _END."""
+async def one_per_batch(events: AsyncIterator[Any]) -> AsyncIterator[list[Any]]:
+    """Events made one at a time as sse_stream's batches (a write each)."""
     try:
-        async for item in events:
-            await queue.put(item)
-    except OmnistageError as err:  # headers are gone: report the error in-band
-        await queue.put(error_event(err))
-    except Exception as exc:  # noqa: BLE001 - re-raised by the consumer, in the response
-        await queue.put(exc)
-    await queue.put(_END)
+        async for event in events:
+            yield [event]
+    finally:
+        await events.aclose()
 
 
-def sse_stream(events: AsyncIterator[Any], stream: Any, *, done: bool = True) -> StreamingResponse:
-    """Events (dicts, (event_name, dict) pairs, or TextDeltas) as an SSE response; `stream`
-    (the pipeline's) is closed however the response ends, which aborts unfinished work.
+def sse_stream(batches: AsyncIterator[list[Any]], stream: Any, *, done: bool = True) -> StreamingResponse:
+    """Batches of events (dicts, (event_name, dict) pairs, or TextDeltas) as an SSE response, a
+    write per batch; `stream` (the pipeline's) is closed however the response ends, which
+    aborts unfinished work.
 
-    Events made while the previous write was under way leave together in one write (and
-    their TextDeltas as one event): under load a response sends one chunk per wake-up of its
-    task, not one per token."""
+    A route makes a batch of the chunks Pipeline.stream_batches handed it together: whatever
+    arrived while the previous write was under way leaves in one write (and its TextDeltas
+    as one event), so under load a response sends one chunk per wake-up of its task, not one
+    per token, and the task that reads the pipeline is the one that writes."""
 
     async def body():
-        queue: asyncio.Queue = asyncio.Queue(COALESCE_MAX_EVENTS)
-        producer = asyncio.ensure_future(_encoded(events, queue))
         try:
-            while True:
-                parts = [await queue.get()]
-                while not queue.empty():
-                    parts.append(queue.get_nowait())
-                failure = next((p for p in parts if isinstance(p, BaseException)), None)
-                end = failure is not None or parts[-1] is _END
-                data = _frames(parts)
-                if end and failure is None and done:
-                    data += SSE_DONE
-                if data:
-                    yield data
-                if failure is not None:
-                    raise failure
-                if end:
-                    return
-        finally:
-            producer.cancel()  # the client left, or the end: stop pulling, then close the stream
             try:
-                await asyncio.wait({producer})
+                async for events in batches:
+                    data = _frames(events)
+                    if data:
+                        yield data
+            except OmnistageError as err:  # headers are gone: report the error in-band
+                yield _frames([error_event(err)])
+            if done:
+                yield SSE_DONE
+        finally:  # the end, or the client left: stop reading, then close the stream
+            try:
+                await batches.aclose()
             finally:
                 await stream.aclose()
 

@@ -1,7 +1,7 @@
-"""Streamed text deltas still queued when the writer comes round leave as one event
+"""Streamed text deltas that arrive together (in one batch) leave as one event
 (serving/routes/streams.py TextDelta): a server that fell behind sends fewer, longer deltas.
 The joined text is always the same; other events keep their place; a stream whose server
-keeps up sends one event per delta. Against a real server, 32 concurrent streams read with the
+keeps up (a delta per batch) sends one event per delta. Against a real server, 32 concurrent streams read with the
 official `openai` client each join to the text of the same request answered unstreamed."""
 
 from __future__ import annotations
@@ -19,25 +19,26 @@ def _event(text: str, index: int = 0) -> dict:
 
 
 class Source:
-    """A pipeline-like stream (closing recorded) producing `items`, optionally with a pause
-    before each."""
+    """A pipeline-like stream (closing recorded) producing batches of `items` (`per_batch` to
+    a batch; all in one by default), optionally with a pause before each."""
 
-    def __init__(self, items, delay: float = 0.0):
+    def __init__(self, items, delay: float = 0.0, per_batch: int | None = None):
         self.items, self.delay, self.closed = items, delay, False
+        self.per_batch = per_batch or max(1, len(items))
 
     async def gen(self):
-        for item in self.items:
+        for start in range(0, len(self.items), self.per_batch):
             if self.delay:
                 await asyncio.sleep(self.delay)
-            yield item
+            yield self.items[start : start + self.per_batch]
 
     async def aclose(self):
         self.closed = True
 
 
-def _events(items, delay: float = 0.0) -> tuple[list[bytes], list[dict], Source]:
+def _events(items, delay: float = 0.0, per_batch: int | None = None) -> tuple[list[bytes], list[dict], Source]:
     """(the response's writes, its events decoded, the source)."""
-    source = Source(items, delay)
+    source = Source(items, delay, per_batch)
     response = sse_stream(source.gen(), source)
 
     async def collect():
@@ -55,8 +56,8 @@ def test_queued_deltas_leave_as_one_event_with_their_texts_joined():
     encode = spliced_encoder(_event(TEXT_SLOT))
     texts = [f"tok{i} " for i in range(50)] + ['"q\\\n', "é✓"]
     writes, events, source = _events([TextDelta(t, encode) for t in texts])
-    assert events == [_event("".join(texts))]  # made at once: one event
-    assert b"".join(writes) == sse_event(_event("".join(texts))) + SSE_DONE
+    assert events == [_event("".join(texts))]  # arrived together: one event
+    assert writes == [sse_event(_event("".join(texts))), SSE_DONE]
     assert source.closed
 
 
@@ -88,9 +89,9 @@ def test_other_events_keep_their_place_and_split_the_runs():
 def test_a_server_that_keeps_up_sends_one_event_per_delta():
     encode = spliced_encoder(_event(TEXT_SLOT))
     texts = ["one", " two", " three", " four"]
-    writes, events, _ = _events([TextDelta(t, encode) for t in texts], delay=0.02)
+    writes, events, _ = _events([TextDelta(t, encode) for t in texts], delay=0.02, per_batch=1)
     assert events == [_event(t) for t in texts]
-    assert writes[:3] == [sse_event(_event(t)) for t in texts[:3]]
+    assert writes == [sse_event(_event(t)) for t in texts] + [SSE_DONE]
 
 
 def test_concurrent_streams_join_to_the_unstreamed_text(tiny_server):
