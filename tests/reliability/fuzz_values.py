@@ -52,6 +52,17 @@ def capped(values: dict) -> dict:
     return out
 
 
+def asks_to_stream(value) -> bool:
+    """Whether the routes' `stream: bool` field reads `value` as true: pydantic's lax booleans
+    take 1, "true", "yes", "on", ... as well as True."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(bool).validate_python(value) is True
+    except ValidationError:
+        return False
+
+
 def assert_served_or_named_400(
     r: httpx.Response, sent, *, streamed: bool, result_key: str | None, final_event: str | None = None
 ) -> None:

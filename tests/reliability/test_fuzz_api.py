@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from omnistage.bench.soak_traffic import IMAGE
 from omnistage.tests.api.conftest import live_server
 from omnistage.tests.jobs.conftest import wait_status
-from omnistage.tests.reliability.fuzz_values import anything, assert_served_or_named_400, capped
+from omnistage.tests.reliability.fuzz_values import anything, asks_to_stream, assert_served_or_named_400, capped
 
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 
@@ -85,11 +85,12 @@ PARAMS = [
 @given(st.dictionaries(st.sampled_from(PARAMS), anything, min_size=1, max_size=4))
 @example({"seed": 2**64})  # past what torch's generators take
 @example({"seed": -(2**63) - 1})
+@example({"stream": 1})  # a lax boolean: streamed
 def test_chat_params_are_served_or_refused_with_a_named_parameter(server, params):
     body = capped({"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **params})
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
     assert_served_or_named_400(
-        r, params, streamed=body.get("stream") is True, final_event="[DONE]", result_key="choices"
+        r, params, streamed=asks_to_stream(body.get("stream")), final_event="[DONE]", result_key="choices"
     )
 
 
@@ -107,7 +108,7 @@ def test_completion_fields_are_served_or_refused_with_a_named_parameter(server, 
     body = capped({"model": "tiny-llm", "prompt": "once upon", "max_tokens": 4, **fields})
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
     assert_served_or_named_400(
-        r, fields, streamed=body.get("stream") is True, final_event="[DONE]", result_key="choices"
+        r, fields, streamed=asks_to_stream(body.get("stream")), final_event="[DONE]", result_key="choices"
     )
 
 
@@ -130,7 +131,7 @@ image_value = st.one_of(
 def test_image_fields_are_served_or_refused_with_a_named_parameter(server, fields):
     body = capped({**IMAGE, "num_inference_steps": 2, **fields})
     r = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
-    streamed = body.get("stream") is True
+    streamed = asks_to_stream(body.get("stream"))
     assert_served_or_named_400(
         r, fields, streamed=streamed, final_event="image_generation.completed", result_key="data"
     )
