@@ -219,9 +219,8 @@ class StageCall:
             self.link.abort(self.rid)
         elif not self.opening:
             self.task.cancel()  # still waiting for permits: nothing was opened
-        elif self.driver.opener_for(self.replica.stage).withdraw(self.rid):
-            pass  # its open had not left yet: nothing was opened
-        # while `open` is in flight, _open aborts once it knows the replica
+        else:  # an open still waiting is taken back; one in flight, _open aborts once it knows the replica
+            self.driver.opener_for(self.replica.stage).withdraw(self.rid)
 
     async def _open(self) -> None:
         d, stage = self.driver, self.replica.stage
