@@ -52,6 +52,12 @@ def _chunks(tables, starts, q_lens, ctx_lens, block_size, device) -> ChunkTables
     )
 
 
+def empty_chunks(device: torch.device) -> ChunkTables:
+    """No query chunks: a decode-only step."""
+    none = torch.zeros(0, dtype=torch.int32, device=device)
+    return ChunkTables(torch.zeros(0, 1, dtype=torch.int32, device=device), none, none, none, 0)
+
+
 def split_count(num_seqs: int, kv_heads: int, max_len: int) -> int:
     """Split the context when too few (sequence, KV head) programs would fill the GPU."""
     if max_len <= 1024 or num_seqs * kv_heads >= 256:

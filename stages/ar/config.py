@@ -145,6 +145,10 @@ class EngineConfig:
     # Contiguous copy of the decoding sequences' K/V kept across steps (saves a gather per layer
     # per step); 0 disables it. Above the cap, decode attention gathers from the paged cache.
     decode_buffer_bytes: int = 1 << 30
+    # Decode-only steps replay CUDA graphs on CUDA with the Triton kernels (decode_graphs.py)
+    # unless enforce_eager; batches above cuda_graph_max_batch sequences run eagerly.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -153,6 +157,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError("cuda_graph_max_batch must be >= 1")
         self.hidden_state_layers = tuple(int(i) for i in self.hidden_state_layers)
 
 

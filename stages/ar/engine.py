@@ -19,6 +19,7 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels import triton as triton_kernels
+from omnistage.stages.ar import decode_graphs
 from omnistage.stages.ar.attention import DecodeBuffer
 from omnistage.stages.ar.config import EngineConfig, SamplingParams, load_model_config
 from omnistage.stages.ar.kv_cache import BlockManager, KVCache
@@ -81,6 +82,21 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         eos = config.eos_token_ids if config.eos_token_ids is not None else mc.eos_token_ids
         self.sampler = Sampler(tuple(eos))
+        outputs_only = mc.num_layers not in self.capture_layers
+        self.graphs = None
+        if decode_graphs.selected(self.device, self.uses_triton, config.enforce_eager):
+            self.graphs = decode_graphs.DecodeGraphs(
+                self.model,
+                self.kv_cache.layers,
+                max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+                max_model_len=self.max_model_len,
+                block_size=bs,
+                kv_heads=mc.num_kv_heads,
+                uses_mrope=mc.uses_mrope,
+                capture_layers=self.capture_layers,
+                outputs_only=outputs_only,
+                dtype=config.dtype,
+            )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -94,6 +110,7 @@ class LLMEngine:
             capture_layers=self.capture_layers,
             paged_kernels=self.uses_triton,
             kv_heads=mc.num_kv_heads,
+            graphs=self.graphs,
         )
         self.checker = RequestChecker(mc, self.max_model_len, self.device, config.dtype)
         self.requests: dict[str, list[Sequence]] = {}
@@ -217,6 +234,8 @@ class LLMEngine:
             "computed_tokens": self._computed_tokens,
             "max_model_len": self.max_model_len,
             "decode_buffer_rebuilds": self.decode_buffer.num_rebuilds if self.decode_buffer else 0,
+            "decode_graphs_captured": self.graphs.num_captured if self.graphs else 0,
+            "decode_graph_replays": self.graphs.num_replays if self.graphs else 0,
         }
 
     # ---------------------------------------------------------------- step

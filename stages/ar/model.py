@@ -106,10 +106,17 @@ class RotaryEmbedding(_Module):
         self.mrope_section = list(mrope_section) if mrope_section else None
         self._cos = self._sin = None
         self._dtype = None
+        self._axis: torch.Tensor | None = None
         # M-RoPE: which of the 3 position axes drives each rotary dim (sections repeat for both halves).
         if self.mrope_section:
             axis = [i % 3 for i, s in enumerate(self.mrope_section) for _ in range(s)]
             self._axis_list = axis + axis  # plain list: modules are built on the meta device
+
+    def _axis_index(self, device) -> torch.Tensor:
+        """[1, head_dim, 1] M-RoPE axis of each rotary dim, kept per device (no copy per step)."""
+        if self._axis is None or self._axis.device != device:
+            self._axis = torch.tensor(self._axis_list, device=device).view(1, -1, 1)
+        return self._axis
 
     def inv_freq(self, device) -> torch.Tensor:
         d = self.head_dim
@@ -124,14 +131,19 @@ class RotaryEmbedding(_Module):
             self._cos, self._sin, self._dtype = emb.cos().to(dtype), emb.sin().to(dtype), dtype
         return self._cos, self._sin
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_t, sin_t = self._table(int(positions.max()), dtype, positions.device)
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """max_position: a known bound on the positions, read instead of positions.max() (a
+        host sync, which a CUDA graph capture forbids)."""
+        bound = int(positions.max()) if max_position is None else max_position
+        cos_t, sin_t = self._table(bound, dtype, positions.device)
         if positions.dim() == 1:
             return cos_t[positions], sin_t[positions]
         if self.mrope_section is None:
             return cos_t[positions[0]], sin_t[positions[0]]
         n = positions.shape[1]
-        idx = torch.tensor(self._axis_list, device=positions.device).view(1, -1, 1).expand(n, -1, 1)
+        idx = self._axis_index(positions.device).expand(n, -1, 1)
         cos = cos_t[positions].permute(1, 2, 0).gather(2, idx).squeeze(-1)
         sin = sin_t[positions].permute(1, 2, 0).gather(2, idx).squeeze(-1)
         return cos, sin
@@ -317,6 +329,7 @@ class DecoderModel(_Module):
         outputs_only: bool = False,
         extra: torch.Tensor | None = None,  # [K, embedding_size] added to rows extra_rows (before the projection)
         extra_rows: torch.Tensor | None = None,
+        max_position: int | None = None,  # a bound on positions (else read from them: a host sync)
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns (final normed hidden states, {hidden-state index: [N, hidden]}).
 
@@ -331,7 +344,7 @@ class DecoderModel(_Module):
             x[extra_rows] += extra.to(x.dtype)
         if self.input_proj is not None:
             x = self.input_proj(x)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary(positions, x.dtype, max_position)
         sin_signed = signed_sin(sin)  # shared by every layer
         n_layers = len(self.layers)
         captured: dict[int, torch.Tensor] = {}

@@ -8,7 +8,8 @@ owns the model, the KV cache and the decode buffer, and does the three things in
     tokens = runner.sample(hidden, flat, seqs, rows)
 
 Flat layout: decodes (one token each) first, sorted by context length, then prefill chunks;
-each sequence's rows are contiguous.
+each sequence's rows are contiguous. A decode-only step may instead be replayed from a CUDA
+graph (decode_graphs.py): prepare() then plans its graph inputs and builds no metadata.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.stages.ar.attention import AttentionMetadata, DecodeBuffer, build_metadata
+from omnistage.stages.ar.decode_graphs import DecodeGraphs, GraphStep
 from omnistage.stages.ar.kv_cache import KVCache
 from omnistage.stages.ar.sampler import Sampler
 from omnistage.stages.ar.sequence import Sequence
@@ -28,9 +30,10 @@ class FlatBatch:
     """One step's tokens laid out as a single sequence of rows."""
 
     ordered: list[tuple[Sequence, int]]  # (sequence, new tokens) in row order
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+    meta: AttentionMetadata | None
+    graph: GraphStep | None = None  # replayed from a CUDA graph (then no ids / positions / meta)
     embeds: torch.Tensor | None = None  # prompt embeddings replacing rows `embed_rows`
     embed_rows: torch.Tensor | None = None
     extra: torch.Tensor | None = None  # decode_embeds added to rows `extra_rows`
@@ -94,6 +97,7 @@ class ModelRunner:
         capture_layers: tuple[int, ...],
         paged_kernels: bool = False,
         kv_heads: int = 1,
+        graphs: DecodeGraphs | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -108,12 +112,17 @@ class ModelRunner:
         # Without a capture of the last layer, the model keeps only rows that produce logits.
         self.outputs_only = num_layers not in capture_layers
         self._offsets = torch.arange(block_size, dtype=torch.long)
+        self.graphs = graphs
 
     # -- prepare ----------------------------------------------------------------------------
     def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> FlatBatch:
         items = list(zip(seqs, num_new_tokens))
         decodes = sorted((it for it in items if it[1] == 1), key=lambda it: it[0].num_computed_tokens)
         prefills = [it for it in items if it[1] > 1]
+        if self.graphs is not None and not prefills:
+            step = self.graphs.plan(decodes)
+            if step is not None:
+                return FlatBatch(ordered=decodes, input_ids=None, positions=None, meta=None, graph=step)
         rows = _Rows()
         dec_tables, dec_lens = self._lay_out_decodes(decodes, rows)
         prefill_specs = self._lay_out_prefills(prefills, rows)
@@ -196,6 +205,8 @@ class ModelRunner:
     def forward(self, flat: FlatBatch) -> tuple[torch.Tensor, dict]:
         """Hidden states (all rows, or only the logit rows when outputs_only) and the
         captured layers' rows."""
+        if flat.graph is not None:
+            return self.graphs.run(flat.graph)
         return self.model(
             flat.input_ids,
             flat.positions,

@@ -1,5 +1,5 @@
 """The AR engine on a CUDA device gives the CPU engine's greedy tokens, with the torch path
-and with the compiled Triton kernels. Runs only where torch sees a CUDA device.
+and with the compiled Triton kernels, run eagerly or with decode replayed from CUDA graphs. Runs only where torch sees a CUDA device.
 
 The suite sets TRITON_INTERPRET=1 before anything imports triton (tests/conftest.py), which
 would run the kernels in the interpreter; the CUDA engine therefore runs in a child process
@@ -33,6 +33,7 @@ path, prompts = sys.argv[1], json.loads(sys.argv[2])
 engine = LLMEngine(EngineConfig(model_path=path, device="cuda", num_kv_blocks=64, block_size=8))
 out = greedy_in_two_waves(engine, prompts)
 out["uses_triton"] = engine.uses_triton
+out["graph_replays"] = engine.stats()["decode_graph_replays"]
 print("RESULT " + json.dumps(out))
 """
 
@@ -65,9 +66,10 @@ def _prompts() -> tuple[list[list[int]], int]:
     return prompts, 24
 
 
-def _cuda_engine(path: str, prompts, triton: bool) -> dict:
+def _cuda_engine(path: str, prompts, triton: bool, graphs: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMNISTAGE_TRITON="1" if triton else "0", PYTHONSAFEPATH="1")
+    env.update(OMNISTAGE_CUDA_GRAPHS="1" if graphs else "0")
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, path, json.dumps(prompts)],
         env=env,
@@ -80,16 +82,19 @@ def _cuda_engine(path: str, prompts, triton: bool) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
-@pytest.mark.parametrize("triton", [False, True], ids=["torch", "triton"])
-def test_cuda_engine_tokens_equal_the_cpu_engine(qwen2_gqa_tied, triton):
+@pytest.mark.parametrize(
+    "triton,graphs", [(False, False), (True, False), (True, True)], ids=["torch", "triton", "triton-graphs"]
+)
+def test_cuda_engine_tokens_equal_the_cpu_engine(qwen2_gqa_tied, triton, graphs):
     path, hf_model = qwen2_gqa_tied
     prompts, shared = _prompts()
     cpu = greedy_in_two_waves(LLMEngine(EngineConfig(model_path=path, num_kv_blocks=64, block_size=8)), prompts)
     assert cpu["tokens"][0] == hf_greedy(hf_model, prompts[0], NEW)[0]  # the CPU side is itself right
     assert cpu["cached"] == shared
 
-    cuda = _cuda_engine(path, prompts, triton)
+    cuda = _cuda_engine(path, prompts, triton, graphs)
     assert cuda["uses_triton"] is triton
+    assert (cuda["graph_replays"] > 0) is graphs  # decode steps replayed from CUDA graphs
     assert cuda["tokens"] == cpu["tokens"]
     assert cuda["cached"] == shared  # the shared prefix was reused on the GPU too
     for i, (got, ref) in enumerate(zip(cuda["logprobs"], cpu["logprobs"])):

@@ -1,6 +1,7 @@
 """bench/gpu_kernels.py --dry-run: every part of the GPU script runs (CPU, interpreter, toy
-shapes) and writes its JSON; its greedy tokens agree with the kernels on and off, and its DiT's
-output with the fused adaLN norms with diffusers' own."""
+shapes) and writes its JSON; its greedy tokens agree with the kernels on and off and with
+decode replayed from (CPU stand-ins for) CUDA graphs, and its DiT's output with the fused
+adaLN norms with diffusers' own."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def test_gpu_script_dry_run_writes_json(tmp_path):
     dit = result["dit"]
     assert dit["fused_norms"] == 1  # one block: its norm1 (the last block's context norm is not adaLN-Zero)
     assert dit["max_abs_diff"] < 1e-4 and dit["forward_ms_fused_norms"] > 0
+    assert dit["compile_backend"] == "eager" and dit["compiled_max_abs_diff"] < 1e-4 and dit["forward_ms_compiled"] > 0
     engine = result["engine"]
-    assert engine["greedy_tokens_equal_on_off"] == "2/2"
+    assert engine["triton"]["greedy_tokens_equal_torch"] == "2/2"
+    assert engine["triton_graphs"]["greedy_tokens_equal_torch"] == "2/2"
     assert engine["triton"]["batch1_decode_step_ms"] > 0 and engine["torch"]["batch_output_tok_s"] > 0
+    graphs = engine["triton_graphs"]
+    assert graphs["graphs_captured"] >= 1 and graphs["graph_replays"] >= 2 and graphs["batch1_graph_replay_ms"] > 0
+    assert result["targets"]["batch1_replay_over_bound"] > 0
