@@ -202,7 +202,7 @@ def bench_elementwise(s: Shapes, gbps: float, reps: int) -> list[dict]:
     return out
 
 
-def bench_dit(s: Shapes, gbps: float, reps: int) -> tuple[dict, dict]:
+def bench_dit(s: Shapes, gbps: float, reps: int, compile_too: bool = True) -> tuple[dict, dict]:
     """The adaLN kernel alone, and an SD3-architecture transformer's forward with diffusers'
     norms, with the fused ones, and compiled by torch.compile (same weights, same inputs)."""
     import torch
@@ -242,9 +242,10 @@ def bench_dit(s: Shapes, gbps: float, reps: int) -> tuple[dict, dict]:
         fused = forward().sample
         fused_ms = _time_ms(forward, dev, max(10, reps // 10))
         unfuse_adaln(model)
-        compiled, compile_s, backend = _compiled_forward(model, inputs, dev)
-        compiled_out = compiled().sample
-        compiled_ms = _time_ms(compiled, dev, max(10, reps // 10))
+        if compile_too:
+            compiled, compile_s, backend = _compiled_forward(model, inputs, dev)
+            compiled_out = compiled().sample
+            compiled_ms = _time_ms(compiled, dev, max(10, reps // 10))
     dit = {
         "model": f"SD3Transformer2DModel {layers} layers, width {hidden}, {tokens} latent + {text} text tokens, "
         f"batch {batch}, {s.dtype}",
@@ -253,12 +254,15 @@ def bench_dit(s: Shapes, gbps: float, reps: int) -> tuple[dict, dict]:
         "forward_ms_fused_norms": round(fused_ms, 4),
         "speedup": round(plain_ms / fused_ms, 4),
         "max_abs_diff": (fused.float() - plain.float()).abs().max().item(),
-        "compile_backend": backend,
-        "compile_s": round(compile_s, 1),
-        "forward_ms_compiled": round(compiled_ms, 4),
-        "speedup_compiled": round(plain_ms / compiled_ms, 4),
-        "compiled_max_abs_diff": (compiled_out.float() - plain.float()).abs().max().item(),
     }
+    if compile_too:
+        dit |= {
+            "compile_backend": backend,
+            "compile_s": round(compile_s, 1),
+            "forward_ms_compiled": round(compiled_ms, 4),
+            "speedup_compiled": round(plain_ms / compiled_ms, 4),
+            "compiled_max_abs_diff": (compiled_out.float() - plain.float()).abs().max().item(),
+        }
     return kernel, dit
 
 
@@ -415,7 +419,13 @@ def bench_engine(s: Shapes, gbps: float, reps: int) -> dict:
         checkpoint = build_bench_checkpoint(shape, s.dtype)
     before = {k: os.environ.get(k) for k in ("OMNISTAGE_TRITON", "OMNISTAGE_CUDA_GRAPHS")}
     try:
-        runs = {name: _engine_run(str(checkpoint), s, *flags, reps) for name, flags in ENGINE_VARIANTS.items()}
+        runs = {}
+        for name, flags in ENGINE_VARIANTS.items():
+            try:
+                runs[name] = _engine_run(str(checkpoint), s, *flags, reps)
+            except Exception as exc:  # one variant failing (a capture, say) keeps the others' figures
+                runs[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"engine {name}: {runs[name]['error']}", file=sys.stderr, flush=True)
     finally:
         for k, v in before.items():
             os.environ.pop(k, None)
@@ -423,7 +433,7 @@ def bench_engine(s: Shapes, gbps: float, reps: int) -> dict:
                 os.environ[k] = v
     weight_bytes = shape.num_params() * torch.empty((), dtype=getattr(torch, s.dtype)).element_size()
     bound_ms = weight_bytes / (gbps * 1e9) * 1e3
-    reference = runs["torch"]["greedy_tokens"]
+    reference = runs["torch"].get("greedy_tokens", [])
     result = {
         "model": shape.name,
         "dtype": s.dtype,
@@ -431,13 +441,15 @@ def bench_engine(s: Shapes, gbps: float, reps: int) -> dict:
         "batch1_step_bound_ms": round(bound_ms, 4),
     }
     for name, run in runs.items():
+        result[name] = run
+        if "error" in run:
+            continue
         tokens = run.pop("greedy_tokens")
         run["step_over_bound"] = round(run["batch1_decode_step_ms"] / bound_ms, 2)
         if run.get("batch1_graph_replay_ms"):
             run["replay_over_bound"] = round(run["batch1_graph_replay_ms"] / bound_ms, 2)
         if name != "torch":
             run["greedy_tokens_equal_torch"] = f"{sum(a == b for a, b in zip(tokens, reference))}/{s.engine_new_tokens}"
-        result[name] = run
     return result
 
 
@@ -451,9 +463,10 @@ def _targets(result: dict) -> dict:
             out["decode_32x2k_met"] = k["fraction_of_bandwidth"] >= 0.7
     if "engine" in result:
         graphs = result["engine"]["triton_graphs"]
-        out["batch1_step_over_bound"] = graphs["step_over_bound"]
-        out["batch1_step_met"] = graphs["step_over_bound"] <= 1.25
-        out["batch1_replay_over_bound"] = graphs.get("replay_over_bound")  # the forward alone
+        if "error" not in graphs:
+            out["batch1_step_over_bound"] = graphs["step_over_bound"]
+            out["batch1_step_met"] = graphs["step_over_bound"] <= 1.25
+            out["batch1_replay_over_bound"] = graphs.get("replay_over_bound")  # the forward alone
     return out
 
 
@@ -463,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results/gpu_kernels.json", help="JSON result path")
     p.add_argument("--hbm-gbps", type=float, default=H200_HBM_GBPS, help="peak memory bandwidth (GB/s)")
     p.add_argument("--reps", type=int, default=100, help="timing repetitions per kernel")
-    p.add_argument("--skip-engine", action="store_true", help="kernels only")
+    p.add_argument("--skip-engine", action="store_true", help="no AR engine runs")
+    p.add_argument("--skip-compile", action="store_true", help="no torch.compile of the DiT")
     return p
 
 
@@ -484,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"correctness: {sum(r['ok'] for r in result['correctness'])}/{len(result['correctness'])} ok", flush=True)
     result["kernels"] = bench_decode(s, args.hbm_gbps, args.reps) + [bench_extend(s, args.hbm_gbps, args.reps)]
     result["kernels"] += bench_elementwise(s, args.hbm_gbps, args.reps)
-    adaln_entry, result["dit"] = bench_dit(s, args.hbm_gbps, args.reps)
+    adaln_entry, result["dit"] = bench_dit(s, args.hbm_gbps, args.reps, compile_too=not args.skip_compile)
     result["kernels"].append(adaln_entry)
     for k in result["kernels"]:
         print(f"{k['kernel']:<48} {k['triton_ms']:>9.4f} ms  x{k['speedup_vs_torch']:<6} "
@@ -498,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out} ({result['wall_s']} s)")
-    return 0 if all(r["ok"] for r in result["correctness"]) else 1
+    failed = [name for name, run in result.get("engine", {}).items() if isinstance(run, dict) and "error" in run]
+    return 0 if all(r["ok"] for r in result["correctness"]) and not failed else 1
 
 
 if __name__ == "__main__":

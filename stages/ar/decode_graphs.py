@@ -253,7 +253,14 @@ class DecodeGraphs:
         rotary = self.model.rotary
         table = rotary._table(self.position_bound, self.dtype, self.device)
         self._inputs[key] = (packed, lens, extra)
-        self._graphs[key] = captured = _CapturedStep(body, self.device, self._pool)
+        try:
+            captured = _CapturedStep(body, self.device, self._pool)
+        except Exception as exc:
+            raise RuntimeError(
+                f"capturing the decode graph {key} failed: {exc} (EngineConfig(enforce_eager=True) "
+                "or OMNISTAGE_CUDA_GRAPHS=0 runs decode eagerly)"
+            ) from exc
+        self._graphs[key] = captured
         if rotary._cos is not table[0]:
             raise RuntimeError("the rotary table was rebuilt inside a captured decode step")
         captured.keep = table  # a later rebuild (an eager step's larger position) cannot free it
