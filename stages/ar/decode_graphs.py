@@ -10,7 +10,9 @@ Static inputs per graph: one int64 block [ids | positions (1 or 3 rows) | slots 
 the padded batch, the shared int32 block tables, and (when sequences carry decode_embeds) the
 rows added to the input embeddings. Padding rows write no K/V (slot -1) and attend one cached
 position; their outputs are never read. Graphs are keyed by (padded batch, split-K factor,
-with extra rows) and captured the first time a key is needed; they share one memory pool.
+with extra rows). On CUDA the engine captures every batch size at start (split-K 1; the
+rows-adding variants too for a model with an input projection: the talker); other keys are
+captured the first time a step needs them. All graphs share one memory pool.
 
 Only the Triton path is captured: its attention reads lengths and block tables on the device,
 so one graph serves every context length. The torch path's per-step shapes and masks cannot.
@@ -202,6 +204,16 @@ class DecodeGraphs:
             tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
             extra=extra_rows,
         )
+
+    def capture_all(self, with_extra: bool) -> None:
+        """Capture every batch size's graph now (largest first, so the smaller ones reuse its
+        pool memory) instead of on first use; with_extra: also the variants that add
+        decode_embeds rows."""
+        for batch in reversed(self.sizes):
+            for extra in (False, True) if with_extra else (False,):
+                key = GraphKey(batch, 1, extra)
+                if key not in self._graphs:
+                    self._capture(key)
 
     # -- device side --------------------------------------------------------------------------
     def run(self, step: GraphStep) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

@@ -97,6 +97,8 @@ class LLMEngine:
                 outputs_only=outputs_only,
                 dtype=config.dtype,
             )
+            if self.device.type == "cuda":  # not on first use: a capture mid-stream is a stall
+                self.graphs.capture_all(with_extra=mc.input_projection is not None)
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,

@@ -111,6 +111,9 @@ def test_eager_fallbacks_and_captured_hidden_states(qwen2_gqa, graphs_on, monkey
     engine.add_request("solo", prompts[0], sp)
     run_to_completion(engine)
     assert engine.stats()["decode_graph_replays"] == 4
+    # what a CUDA engine does at start: every size, split-K 1, with and without extra rows
+    engine.graphs.capture_all(with_extra=True)
+    assert set(engine.graphs._graphs) == {GraphKey(b, 1, e) for b in (1, 2) for e in (False, True)}
 
 
 def test_talker_decode_embeds_and_mrope_through_graphs(omni_talker, graphs_on):  # noqa: F811
