@@ -34,6 +34,23 @@ def _size_problem(value: int | str) -> str | None:
         return "is not a size"
 
 
+# Shared by every stage that runs an LLMEngine (ar_lm, thinker, talker).
+CUDA_GRAPH_PARAMS = (
+    Param(
+        "enforce_eager",
+        "boolean",
+        False,
+        "Never replay decode steps from CUDA graphs (they run on CUDA with the Triton kernels).",
+    ),
+    Param(
+        "cuda_graph_max_batch",
+        "integer",
+        256,
+        "Most sequences in a decode step replayed from a CUDA graph (capped by max_num_seqs).",
+        minimum=1,
+    ),
+)
+
 STAGE_PARAMS = ParamSet(
     "ar_lm",
     (
@@ -78,6 +95,7 @@ STAGE_PARAMS = ParamSet(
             nullable=True,
         ),
         Param("hf_config_key", "string", None, "Dotted path of the text config inside config.json.", nullable=True),
+        *CUDA_GRAPH_PARAMS,
     ),
 )
 
@@ -176,6 +194,8 @@ class ARLMStage(StageEngine):
             hidden_state_layers=self.hidden_state_layers,
             hf_config_key=params["hf_config_key"],
             weight_prefix=params["weight_prefix"] or ctx.model_prefix or "",
+            enforce_eager=params["enforce_eager"],
+            cuda_graph_max_batch=params["cuda_graph_max_batch"],
         )
         self.engine = LLMEngine(config)
         self.tokenizer = TextTokenizer.from_pretrained(model_dir) if TextTokenizer.available(model_dir) else None

@@ -36,6 +36,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.ar.config import SAMPLING_PARAMS, SamplingParams
 from omnistage.stages.ar.loader import checkpoint_files
 from omnistage.stages.ar.sequence import SequenceOptions
+from omnistage.stages.ar.stage import CUDA_GRAPH_PARAMS
 from omnistage.stages.base import Emission, Port, StageContext, StageEngine, StageRequest, StepRecord
 from omnistage.stages.omni.checkpoint import read_config
 from omnistage.stages.params import Param, ParamSet
@@ -57,6 +58,7 @@ STAGE_PARAMS = ParamSet(
             "mask, and without one the talker's forward skips the codec pad / start embeddings of the "
             "last two prompt rows and uses 1-D positions. false: the prefill as the forward defines it.",
         ),
+        *CUDA_GRAPH_PARAMS,
     ),
 )
 TALKER_DEFAULTS = dict(temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05, max_tokens=4096)
@@ -165,6 +167,8 @@ class TalkerStage(StageEngine):
                 weight_prefix=params["weight_prefix"],
                 # transformers' talker_eos_token_id: codec pad and end (config.json's ids are the thinker's)
                 eos_token_ids=(self.setup.codec_pad, self.setup.codec_end),
+                enforce_eager=params["enforce_eager"],
+                cuda_graph_max_batch=params["cuda_graph_max_batch"],
             )
         )
         self._requests: dict[str, _Request] = {}
