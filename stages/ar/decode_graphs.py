@@ -10,15 +10,16 @@ Static inputs per graph: one int64 block [ids | positions (1 or 3 rows) | slots 
 the padded batch, the shared int32 block tables, and (when sequences carry decode_embeds) the
 rows added to the input embeddings. Padding rows write no K/V (slot -1) and attend one cached
 position; their outputs are never read. Graphs are keyed by (padded batch, split-K factor,
-with extra rows). On CUDA the engine captures every batch size at start (split-K 1; the
-rows-adding variants too for a model with an input projection: the talker); other keys are
-captured the first time a step needs them. All graphs share one memory pool.
+with extra rows). On CUDA the engine captures them all at start (every batch size with every
+split-K factor its contexts can get; the rows-adding variants too for a model with an input
+projection: the talker); elsewhere a key is captured the first time a step needs it. All
+graphs share one memory pool.
 
 Only the Triton path is captured: its attention reads lengths and block tables on the device,
 so one graph serves every context length. The torch path's per-step shapes and masks cannot.
 
-`OMNISTAGE_CUDA_GRAPHS`: unset or "auto": graphs on CUDA when the Triton kernels run and the
-engine is not `enforce_eager`; "0" (off/false/no): never; "1" (on/true/yes): on any device,
+`OMNISTAGE_CUDA_GRAPHS`: unset or "auto": graphs on CUDA when the Triton kernels run; "0"
+(off/false/no): never; "1" (on/true/yes): on any device (`enforce_eager` wins over all three),
 where a CPU "graph" re-runs the captured step eagerly on its static buffers, watched for host
 syncs (tests check the static-buffer path and capture safety that way).
 """
@@ -47,17 +48,24 @@ def mode() -> str:
 
 
 def selected(device: torch.device, uses_triton: bool, enforce_eager: bool) -> bool:
-    """Whether an engine replays its decode steps from graphs (decided once, at build)."""
+    """Whether an engine replays its decode steps from graphs (decided once, at build);
+    enforce_eager wins over the environment."""
     m = mode()
-    if m == "off" or not uses_triton:
+    if m == "off" or not uses_triton or enforce_eager:
         return False
-    return m == "on" or (device.type == "cuda" and not enforce_eager)
+    return m == "on" or device.type == "cuda"
 
 
 def batch_sizes(max_batch: int) -> list[int]:
     """Captured batch sizes: 1, 2, 4, then every multiple of 8 up to max_batch (and max_batch)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
     return sorted(set(sizes + [max_batch]))
+
+
+def split_counts(batch: int, kv_heads: int, max_len: int) -> list[int]:
+    """The split-K factors decode attention can get for `batch` sequences of up to max_len."""
+    lengths = [min(n, max_len) for n in range(1024, max_len + 1024, 1024)]
+    return sorted({paged_metadata.split_count(batch, kv_heads, n) for n in lengths})
 
 
 @dataclass(frozen=True)
@@ -79,35 +87,47 @@ class GraphStep:
 
 
 class _HostSyncWatch(TorchDispatchMode):
-    """Fails on ops that read a device value on the host (illegal while a CUDA graph is
-    captured, and a value frozen into the graph if it were not)."""
+    """Fails on ops that read a device value on the host or copy host data in (illegal while a
+    CUDA graph is captured, and a value frozen into the graph if they were not)."""
 
-    _SYNCING = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select"}
+    _REFUSED = {
+        "aten::_local_scalar_dense": "it would sync the host",
+        "aten::item": "it would sync the host",
+        "aten::nonzero": "it would sync the host",
+        "aten::masked_select": "it would sync the host",
+        "aten::lift_fresh": "a tensor made from host data is a copy the graph would freeze",
+    }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in self._SYNCING:
-            raise RuntimeError(f"{func._schema.name} in a captured decode step: it would sync the host")
+        why = self._REFUSED.get(func._schema.name)
+        if why is not None:
+            raise RuntimeError(f"{func._schema.name} in a captured decode step: {why}")
         return func(*args, **(kwargs or {}))
 
 
 class _CapturedStep:
-    """A step function run once under capture; replay re-runs the recorded kernels."""
+    """A step function run once under capture; replay re-runs the recorded kernels and returns
+    the same output tensors every time (the CPU stand-in copies into them, to alias alike)."""
 
     def __init__(self, body: Callable[[], tuple], device: torch.device, pool) -> None:
-        self.body = body
         self.graph = None
         self.keep: object = None  # tensors the graph reads that nothing else may hold
         if device.type == "cuda":
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                body()  # compile and autotune the kernels, warm cuBLAS: outside the capture
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads of a stage worker may touch CUDA meanwhile
-            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-                self.outputs = body()
+            with torch.cuda.device(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    body()  # compile the kernels, warm cuBLAS: outside the capture
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                # thread_local: other threads of a stage worker may touch CUDA meanwhile
+                with torch.cuda.graph(
+                    self.graph, pool=pool, stream=torch.cuda.Stream(device), capture_error_mode="thread_local"
+                ):
+                    self.outputs = body()
+            self.body = None  # the graph replays alone; keeping the closure would keep a cycle
         else:
+            self.body = body
             with _HostSyncWatch():
                 self.outputs = body()
 
@@ -116,7 +136,12 @@ class _CapturedStep:
             self.graph.replay()
             return self.outputs
         with _HostSyncWatch():
-            return self.body()
+            hidden, captured = self.body()
+        first_hidden, first_captured = self.outputs
+        first_hidden.copy_(hidden)
+        for layer, rows in captured.items():
+            first_captured[layer].copy_(rows)
+        return self.outputs
 
 
 class DecodeGraphs:
@@ -206,14 +231,15 @@ class DecodeGraphs:
         )
 
     def capture_all(self, with_extra: bool) -> None:
-        """Capture every batch size's graph now (largest first, so the smaller ones reuse its
-        pool memory) instead of on first use; with_extra: also the variants that add
+        """Capture every graph a step can need now (largest batch first, so the smaller ones
+        reuse its pool memory) instead of on first use; with_extra: also the variants that add
         decode_embeds rows."""
         for batch in reversed(self.sizes):
-            for extra in (False, True) if with_extra else (False,):
-                key = GraphKey(batch, 1, extra)
-                if key not in self._graphs:
-                    self._capture(key)
+            for splits in split_counts(batch, self.kv_heads, self.position_bound):
+                for extra in (False, True) if with_extra else (False,):
+                    key = GraphKey(batch, splits, extra)
+                    if key not in self._graphs:
+                        self._capture(key)
 
     # -- device side --------------------------------------------------------------------------
     def run(self, step: GraphStep) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -264,15 +290,16 @@ class DecodeGraphs:
 
         rotary = self.model.rotary
         table = rotary._table(self.position_bound, self.dtype, self.device)
-        self._inputs[key] = (packed, lens, extra)
         try:
-            captured = _CapturedStep(body, self.device, self._pool)
+            with torch.inference_mode():  # no autograd history kept alive in the graph's pool
+                captured = _CapturedStep(body, self.device, self._pool)
         except Exception as exc:
             raise RuntimeError(
                 f"capturing the decode graph {key} failed: {exc} (EngineConfig(enforce_eager=True) "
                 "or OMNISTAGE_CUDA_GRAPHS=0 runs decode eagerly)"
             ) from exc
-        self._graphs[key] = captured
         if rotary._cos is not table[0]:
             raise RuntimeError("the rotary table was rebuilt inside a captured decode step")
         captured.keep = table  # a later rebuild (an eager step's larger position) cannot free it
+        self._inputs[key] = (packed, lens, extra)
+        self._graphs[key] = captured

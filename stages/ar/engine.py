@@ -82,23 +82,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         eos = config.eos_token_ids if config.eos_token_ids is not None else mc.eos_token_ids
         self.sampler = Sampler(tuple(eos))
-        outputs_only = mc.num_layers not in self.capture_layers
-        self.graphs = None
-        if decode_graphs.selected(self.device, self.uses_triton, config.enforce_eager):
-            self.graphs = decode_graphs.DecodeGraphs(
-                self.model,
-                self.kv_cache.layers,
-                max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
-                max_model_len=self.max_model_len,
-                block_size=bs,
-                kv_heads=mc.num_kv_heads,
-                uses_mrope=mc.uses_mrope,
-                capture_layers=self.capture_layers,
-                outputs_only=outputs_only,
-                dtype=config.dtype,
-            )
-            if self.device.type == "cuda":  # not on first use: a capture mid-stream is a stall
-                self.graphs.capture_all(with_extra=mc.input_projection is not None)
+        self.graphs = self._decode_graphs()
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -121,6 +105,27 @@ class LLMEngine:
         self._num_steps = 0
         self._generated_tokens = 0
         self._computed_tokens = 0  # tokens fed through the model (recomputes after preemption count again)
+
+    def _decode_graphs(self) -> decode_graphs.DecodeGraphs | None:
+        """Decode steps replayed from CUDA graphs (decode_graphs.py), when selected."""
+        config, mc = self.config, self.model_config
+        if not decode_graphs.selected(self.device, self.uses_triton, config.enforce_eager):
+            return None
+        graphs = decode_graphs.DecodeGraphs(
+            self.model,
+            self.kv_cache.layers,
+            max_batch=min(config.max_num_seqs, config.cuda_graph_max_batch),
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            kv_heads=mc.num_kv_heads,
+            uses_mrope=mc.uses_mrope,
+            capture_layers=self.capture_layers,
+            outputs_only=mc.num_layers not in self.capture_layers,
+            dtype=config.dtype,
+        )
+        if self.device.type == "cuda":  # not on first use: a capture mid-stream is a stall
+            graphs.capture_all(with_extra=mc.input_projection is not None)
+        return graphs
 
     # ---------------------------------------------------------------- requests
     def add_request(

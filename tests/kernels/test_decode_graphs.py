@@ -71,6 +71,9 @@ def test_graph_replays_match_transformers(qwen2_gqa, graphs_on):
     # 8, 4 -> 4, 3 -> 4, 2 -> 2, 1 -> 1
     assert stats["steps"] == 12 and stats["decode_graph_replays"] == 11
     assert set(engine.graphs._graphs) == {GraphKey(b, 1, False) for b in (8, 4, 2, 1)}
+    graph = engine.graphs._graphs[GraphKey(1, 1, False)]
+    with torch.inference_mode():  # as in engine.step()
+        assert graph.replay()[0] is graph.replay()[0]  # outputs alias across replays, as on CUDA
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
@@ -144,8 +147,9 @@ def test_talker_decode_embeds_and_mrope_through_graphs(omni_talker, graphs_on): 
 
 
 def test_a_host_sync_in_the_step_is_refused():
-    """The watch the CPU stand-in runs under catches what a capture would fail on: the rotary
-    table sized from positions.max() (what the graphs avoid by passing a bound)."""
+    """The watch the CPU stand-in runs under catches what a capture would fail on or freeze:
+    the rotary table sized from positions.max() (what the graphs avoid by passing a bound), a
+    tensor built from host data."""
     from omnistage.stages.ar.model import RotaryEmbedding
 
     rotary = RotaryEmbedding(16, 1e4, None)
@@ -154,6 +158,8 @@ def test_a_host_sync_in_the_step_is_refused():
         rotary(positions, torch.float32, max_position=64)
         with pytest.raises(RuntimeError, match="_local_scalar_dense"):
             rotary(positions, torch.float32)
+        with pytest.raises(RuntimeError, match="lift_fresh"):
+            torch.tensor([1, 2, 3])  # host data copied in: frozen into a graph
 
 
 def test_selection(monkeypatch):
@@ -167,8 +173,14 @@ def test_selection(monkeypatch):
     assert not decode_graphs.selected(cuda, uses_triton=True, enforce_eager=False)
     monkeypatch.setenv("OMNISTAGE_CUDA_GRAPHS", "1")
     assert decode_graphs.selected(cpu, uses_triton=True, enforce_eager=False)
+    assert not decode_graphs.selected(cuda, uses_triton=True, enforce_eager=True)  # the config wins
     assert decode_graphs.batch_sizes(1) == [1]
     assert decode_graphs.batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert decode_graphs.batch_sizes(256)[-3:] == [240, 248, 256]
+    # split-K: past 1024 tokens, while fewer than 256 (sequence, KV head) programs would run
+    assert decode_graphs.split_counts(1, 2, 512) == [1]
+    assert decode_graphs.split_counts(1, 2, 4096) == [1, 2, 4]
+    assert decode_graphs.split_counts(1, 2, 32768) == [1, 2, 4, 8, 16]
+    assert decode_graphs.split_counts(128, 2, 32768) == [1]
     with pytest.raises(ValueError, match="cuda_graph_max_batch"):
         EngineConfig(model_path="x", cuda_graph_max_batch=0)
