@@ -38,6 +38,7 @@ class Shapes:
     engine_model: str  # bench.ar_common.SHAPES key
     engine_new_tokens: int
     engine_batch: int
+    engine_prompt: int  # tokens per prompt
     dit: tuple[int, int, int, int, int, int]  # (batch, latent side, layers, heads, head_dim, text tokens)
 
 
@@ -53,10 +54,11 @@ GPU = Shapes(
     "0.5b",
     256,
     32,
+    128,
     (2, 128, 4, 24, 64, 333),  # 1024 px: 4096 latent tokens at SD3-medium's width 1536, 77 + 256 text
 )
 DRY = Shapes(
-    "cpu", "float32", 8, ((3, 21, 4, 2, 16),), (2, 5, 9, 4, 2, 16), 6, 40, 48, "quick", 2, 1, (2, 8, 1, 2, 8, 5)
+    "cpu", "float32", 8, ((3, 21, 4, 2, 16),), (2, 5, 9, 4, 2, 16), 6, 40, 48, "quick", 2, 1, 12, (2, 8, 1, 2, 8, 5)
 )
 
 
@@ -365,7 +367,7 @@ def _engine_run(checkpoint: str, s: Shapes, triton_on: bool, graphs_on: bool, re
     )
     assert engine.uses_triton == triton_on and (engine.graphs is not None) == graphs_on
     sp = SamplingParams(temperature=0, max_tokens=s.engine_new_tokens, ignore_eos=True)
-    engine.add_request("solo", list(range(1, 129)), sp)
+    engine.add_request("solo", list(range(1, s.engine_prompt + 1)), sp)
     step_ms, tokens = [], []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -375,7 +377,7 @@ def _engine_run(checkpoint: str, s: Shapes, triton_on: bool, graphs_on: bool, re
     replay_ms = _replay_ms(engine, reps)
     t0 = time.perf_counter()
     for i in range(s.engine_batch):
-        engine.add_request(f"b{i}", [(7 * i + j) % 1000 + 1 for j in range(128)], sp)
+        engine.add_request(f"b{i}", [(7 * i + j) % 1000 + 1 for j in range(s.engine_prompt)], sp)
     while engine.has_unfinished_requests():
         engine.step()
     wall = time.perf_counter() - t0
