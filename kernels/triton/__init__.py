@@ -26,14 +26,19 @@ _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
-def mode() -> str:
-    """'off', 'on' or 'auto' from OMNISTAGE_TRITON."""
-    value = os.environ.get("OMNISTAGE_TRITON", "auto").strip().lower()
+def env_mode(name: str) -> str:
+    """'off', 'on' or 'auto' from an on/off/auto environment switch."""
+    value = os.environ.get(name, "auto").strip().lower()
     if value in _OFF:
         return "off"
     if value in _ON:
         return "on"
     return "auto"
+
+
+def mode() -> str:
+    """'off', 'on' or 'auto' from OMNISTAGE_TRITON."""
+    return env_mode("OMNISTAGE_TRITON")
 
 
 @functools.cache

@@ -26,31 +26,22 @@ syncs (tests check the static-buffer path and capture safety that way).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from omnistage.kernels.triton import env_mode
 from omnistage.kernels.triton import metadata as paged_metadata
 from omnistage.stages.ar.attention import AttentionMetadata
 from omnistage.stages.ar.sequence import Sequence
-
-_OFF = ("0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
-
-
-def mode() -> str:
-    """'off', 'on' or 'auto' from OMNISTAGE_CUDA_GRAPHS."""
-    value = os.environ.get("OMNISTAGE_CUDA_GRAPHS", "auto").strip().lower()
-    return "off" if value in _OFF else "on" if value in _ON else "auto"
 
 
 def selected(device: torch.device, uses_triton: bool, enforce_eager: bool) -> bool:
     """Whether an engine replays its decode steps from graphs (decided once, at build);
     enforce_eager wins over the environment."""
-    m = mode()
+    m = env_mode("OMNISTAGE_CUDA_GRAPHS")
     if m == "off" or not uses_triton or enforce_eager:
         return False
     return m == "on" or device.type == "cuda"
