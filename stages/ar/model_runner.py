@@ -228,6 +228,10 @@ class ModelRunner:
         if not seqs:
             return {}
         idx = torch.tensor(flat.hidden_index(rows), device=self.device)
-        logits = self.model.compute_logits(hidden[idx]).cpu()
-        result = self.sampler(logits, seqs)
+        logits = self.model.compute_logits(hidden[idx])
+        if self.sampler.plain_greedy(seqs):
+            # argmax where the logits are: on a GPU only the ids cross to the host, not V floats a row
+            tokens = logits.max(dim=-1).indices.tolist()
+            return {id(seq): (tok, None) for seq, tok in zip(seqs, tokens)}
+        result = self.sampler(logits.cpu(), seqs)
         return {id(seq): (tok, lp) for seq, tok, lp in zip(seqs, result.token_ids, result.logprobs)}

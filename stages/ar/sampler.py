@@ -78,6 +78,18 @@ class Sampler:
                 out_lp[r] = entry
         return SampleResult(token_list, out_lp)
 
+    def plain_greedy(self, seqs: list[Sequence]) -> bool:
+        """Every row takes the argmax of its raw logits: greedy, no logprobs, nothing that
+        changes the logits (penalties, min_tokens stop suppression, suppressed ids)."""
+        return all(
+            s.sampling.greedy
+            and s.sampling.logprobs is None
+            and not s.suppress_token_ids
+            and s.num_output_tokens >= s.sampling.min_tokens
+            and not self._has_penalty(s.sampling)
+            for s in seqs
+        )
+
     def penalized(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits with min_tokens stop suppression and the penalties applied (a copy when any applies)."""
         if not any(

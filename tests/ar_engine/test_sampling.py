@@ -158,3 +158,28 @@ def test_n_siblings_respect_max_num_seqs(qwen2_gqa_tied):
         assert engine.stats()["running"] <= 2
     assert [results[i] for i in range(4)] == [ref] * 4
     assert_pool_full(engine)
+
+
+@pytest.mark.parametrize(
+    "params,plain",
+    [
+        (dict(temperature=0), True),
+        (dict(temperature=0, logprobs=0), False),  # logprobs are computed on the host
+        (dict(temperature=0, min_tokens=5), False),  # stop ids suppressed until 5 tokens
+        (dict(temperature=0, repetition_penalty=1.2), False),
+        (dict(temperature=0, presence_penalty=0.5), False),
+        (dict(temperature=0.7), False),
+    ],
+)
+def test_plain_greedy_rows_are_the_argmax_of_the_raw_logits(params, plain):
+    """The runner's shortcut (argmax where the logits are; on a GPU only the ids cross to the
+    host) is taken exactly when the sampler would return that argmax."""
+    sampler = Sampler(eos_token_ids=(2,))
+    seq = _seq([5, 6, 7, 2], 3, **params)
+    assert sampler.plain_greedy([seq]) is plain
+    if plain:
+        logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+        assert sampler(logits, [seq]).token_ids == logits.max(dim=-1).indices.tolist()
+    suppressed = _seq([5, 6, 7], 3, temperature=0)
+    suppressed.suppress_token_ids = (4,)
+    assert not sampler.plain_greedy([_seq([5, 6, 7], 3, temperature=0), suppressed])
