@@ -227,8 +227,12 @@ class ModelRunner:
         logits of flat row rows[i]."""
         if not seqs:
             return {}
-        idx = torch.tensor(flat.hidden_index(rows), device=self.device)
-        logits = self.model.compute_logits(hidden[idx])
+        index = flat.hidden_index(rows)
+        if index == list(range(len(index))):  # decode-only steps: no index tensor to copy in
+            picked = hidden[: len(index)]
+        else:
+            picked = hidden[torch.tensor(index, device=self.device)]
+        logits = self.model.compute_logits(picked)
         if self.sampler.plain_greedy(seqs):
             # argmax where the logits are: on a GPU only the ids cross to the host, not V floats a row
             tokens = logits.max(dim=-1).indices.tolist()
