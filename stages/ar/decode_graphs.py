@@ -199,9 +199,8 @@ class DecodeGraphs:
             if self.pos_rows == 1:
                 positions[0].append(c)
             else:
-                pos = seq.position_of(c, c + 1).reshape(-1).tolist()
-                for axis in range(3):
-                    positions[axis].append(pos[axis % len(pos)])
+                for axis, pos in enumerate(seq.mrope_position_of(c, c + 1)[:, 0].tolist()):
+                    positions[axis].append(pos)
             rows = seq.decode_embeds
             extra.append(None if rows is None or c < p else rows[min(c - p, rows.shape[0] - 1)])
         if max(max(axis) for axis in positions) >= self.position_bound:

@@ -162,7 +162,7 @@ class ModelRunner:
             slots.append(seq.block_table[c // bs] * bs + c % bs)
             tables.append(seq.block_table)
             lens.append(c + 1)
-            positions.append(self._positions(seq, c, 1) if self.uses_mrope else c)
+            positions.append(seq.mrope_position_of(c, c + 1) if self.uses_mrope else c)
             if seq.prompt_embeds is not None and c < seq.num_prompt_tokens:
                 rows.embed_rows.append(torch.tensor([rows.count]))
                 rows.embed_vals.append(seq.prompt_embeds[c : c + 1])
@@ -184,7 +184,7 @@ class ModelRunner:
             rows.input_ids.extend(seq.token_ids[c : c + n])
             table = torch.tensor(seq.block_table, dtype=torch.long)
             rows.slots.append((table.unsqueeze(1) * bs + self._offsets).flatten()[c : c + n])
-            rows.positions.append(self._positions(seq, c, n) if self.uses_mrope else torch.arange(c, c + n))
+            rows.positions.append(seq.mrope_position_of(c, c + n) if self.uses_mrope else torch.arange(c, c + n))
             if seq.prompt_embeds is not None and c < seq.num_prompt_tokens:
                 m = min(c + n, seq.num_prompt_tokens) - c
                 rows.embed_rows.append(torch.arange(rows.count, rows.count + m))
@@ -194,12 +194,6 @@ class ModelRunner:
             specs.append((c, n, seq.block_table))
             rows.count += n
         return specs
-
-    @staticmethod
-    def _positions(seq: Sequence, start: int, n: int) -> torch.Tensor:
-        """(3, n) M-RoPE positions; text-only sequences use the same id on all three axes."""
-        p = seq.position_of(start, start + n)
-        return p.unsqueeze(0).expand(3, -1) if p.dim() == 1 else p
 
     # -- run --------------------------------------------------------------------------------
     def forward(self, flat: FlatBatch) -> tuple[torch.Tensor, dict]:

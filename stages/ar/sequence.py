@@ -186,6 +186,11 @@ class Sequence:
         self.token_ids.append(token_id)
         self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
 
+    def mrope_position_of(self, start: int, end: int) -> torch.Tensor:
+        """(3, end-start) M-RoPE positions; text-only sequences use the same id on all three axes."""
+        p = self.position_of(start, end)
+        return p.unsqueeze(0).expand(3, -1) if p.dim() == 1 else p
+
     def position_of(self, start: int, end: int) -> torch.Tensor:
         """Positions of tokens [start, end): (end-start,) or (3, end-start) for M-RoPE prompts."""
         if self.mrope_positions is None:
