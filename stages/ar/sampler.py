@@ -81,21 +81,17 @@ class Sampler:
     def plain_greedy(self, seqs: list[Sequence]) -> bool:
         """Every row takes the argmax of its raw logits: greedy, no logprobs, nothing that
         changes the logits (penalties, min_tokens stop suppression, suppressed ids)."""
-        return all(
-            s.sampling.greedy
-            and s.sampling.logprobs is None
-            and not s.suppress_token_ids
-            and s.num_output_tokens >= s.sampling.min_tokens
-            and not self._has_penalty(s.sampling)
-            for s in seqs
+        return all(s.sampling.greedy and s.sampling.logprobs is None and not self._changes_logits(s) for s in seqs)
+
+    def _changes_logits(self, s: Sequence) -> bool:
+        """min_tokens stop suppression, a penalty or suppressed ids apply to this row."""
+        return (
+            s.num_output_tokens < s.sampling.min_tokens or self._has_penalty(s.sampling) or bool(s.suppress_token_ids)
         )
 
     def penalized(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The logits with min_tokens stop suppression and the penalties applied (a copy when any applies)."""
-        if not any(
-            s.num_output_tokens < s.sampling.min_tokens or self._has_penalty(s.sampling) or s.suppress_token_ids
-            for s in seqs
-        ):
+        if not any(self._changes_logits(s) for s in seqs):
             return logits
         logits = logits.clone()
         V = logits.shape[1]
