@@ -385,7 +385,7 @@ def _engine_run(checkpoint: str, s: Shapes, triton_on: bool, graphs_on: bool, re
     del engine
     if s.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    decode_steps = step_ms[2:] or step_ms  # after the prefill and the first decode (warm-up, capture)
+    decode_steps = step_ms[2:] or step_ms  # after the prefill and the first decode (warm-up)
     out = {
         "batch1_decode_step_ms": round(statistics.median(decode_steps), 4),
         "batch_output_tok_s": round(s.engine_batch * s.engine_new_tokens / wall, 1),

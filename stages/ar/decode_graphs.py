@@ -161,10 +161,9 @@ class DecodeGraphs:
         device = kv_layers[0].device
         self.device, self.dtype = device, dtype
         self.max_blocks = -(-max_model_len // block_size)
-        # Positions stay below the rotary table built here, so the step never reads them on
-        # the host (see _capture for the table's lifetime).
+        # Positions stay below the rotary table _capture builds for this bound, so the step
+        # never reads them on the host.
         self.position_bound = max_model_len
-        model.rotary._table(self.position_bound, dtype, device)
         self.tables = torch.zeros(self.max_batch, self.max_blocks, dtype=torch.int32, device=device)
         self.out_rows = torch.arange(self.max_batch, device=device)
         self._graphs: dict[GraphKey, _CapturedStep] = {}

@@ -18,29 +18,14 @@ from omnistage.stages.ar.decode_graphs import GraphKey
 from ..ar_engine.conftest import hf_greedy, omni_talker, run_to_completion  # noqa: F401 (fixture)
 from ..ar_engine.test_talker import NEW as TALKER_NEW
 from ..ar_engine.test_talker import _reference as talker_reference
-
-VOCAB = 256
+from .test_engine_triton import VOCAB
+from .test_engine_triton import _checkpoint as triton_checkpoint
 
 
 @pytest.fixture(scope="module")
 def qwen2_gqa(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.25,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
-    path = str(tmp_path_factory.mktemp("qwen2_graphs"))
-    model.save_pretrained(path)
-    return path, model
+    """8 query heads over 2 KV heads (test_engine_triton's checkpoint)."""
+    return triton_checkpoint(tmp_path_factory, "qwen2")
 
 
 @pytest.fixture
