@@ -102,6 +102,24 @@ def check_params(spec: Any, params: Mapping[str, Any]) -> None:
             raise InvalidRequestError(f"stage {stage!r}: {exc}", param=exc.param) from None
 
 
+def check_queued_params(spec: Any, params: Mapping[str, Any]) -> None:
+    """What check_params cannot know: each stage kind's own checks of its params from the
+    stage's spec and checkpoint files (StageEngine.check_queued; e.g. a size beyond what the
+    diffusion model covers). For a queue in front of a ready pipeline (the jobs API), after
+    check_params passed; InvalidRequestError naming the stage and the param."""
+    from omnistage.stages.registry import get_stage_class
+
+    for stage, values in params.items():
+        try:
+            kind = get_stage_class(spec.stages[stage].kind)
+        except KeyError:
+            continue
+        try:
+            kind.check_queued(spec.stages[stage], {**(spec.stages[stage].request_defaults or {}), **values})
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"stage {stage!r}: {exc}", param=exc.param) from None
+
+
 def check_request(
     spec: Any, inputs: Any, params: dict[str, dict] | None, deadline: float | None
 ) -> tuple[dict[str, dict], float | None]:

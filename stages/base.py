@@ -147,6 +147,13 @@ class StageEngine:
         params depend on each other add their own checks on top of the declared ones."""
         return cls.stage_params.problems(params)
 
+    @classmethod
+    def check_queued(cls, stage: Any, params: dict[str, Any]) -> None:
+        """Refuse (InvalidRequestError naming the param) what this kind would refuse of a
+        request's params, knowing only its StageSpec and checkpoint files, before the request
+        is queued: the jobs API answers 400 at submission instead of failing the job later.
+        Called once the pipeline is ready, after the declared request_params passed."""
+
     # -- the protocol ---------------------------------------------------------------------
     def add(self, request: StageRequest) -> None:
         raise NotImplementedError

@@ -197,10 +197,14 @@ async def generate_images(body: ImageGenerationRequest, request: Request):
         body.response_format,
         body.quality,
     )
-    accepted = await respond_async(  # Prefer: respond-async -> 202 and a job (serving/jobs/respond_async.py)
-        request, model=served.name, inputs=job.inputs, params=params,
-        output_format={served.port("image"): image_format(body.output_format, body.output_compression)},
-    )  # fmt: skip
+    try:
+        accepted = await respond_async(  # Prefer: respond-async -> 202 and a job (serving/jobs/respond_async.py)
+            request, model=served.name, inputs=job.inputs, params=params,
+            output_format={served.port("image"): image_format(body.output_format, body.output_compression)},
+        )  # fmt: skip
+    except InvalidRequestError as err:
+        rename_size_param(err)
+        raise
     if accepted is not None:
         return accepted
     if body.stream:

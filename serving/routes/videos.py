@@ -132,19 +132,36 @@ async def create_video(request: Request):
     from omnistage.stages.diffusion import stage_params
 
     generation = _generation(body.get("seconds"), body.get("size"))
-    job, _, _ = await service.submit(
-        model=name,
-        inputs={"prompt": prompt},
-        params=stage_params(spec, generation),
-        webhook=None,
-        metadata={"prompt": prompt, "seconds": body.get("seconds"), "size": body.get("size"), "port": port},
-        priority=0,
-        output_format={port: "mp4"},
-        idempotency_key=request.headers.get("idempotency-key"),
-        api="videos",
-        owner=owner_of(request),
-    )
+    try:
+        job, _, _ = await service.submit(
+            model=name,
+            inputs={"prompt": prompt},
+            params=stage_params(spec, generation),
+            webhook=None,
+            metadata={"prompt": prompt, "seconds": body.get("seconds"), "size": body.get("size"), "port": port},
+            priority=0,
+            output_format={port: "mp4"},
+            idempotency_key=request.headers.get("idempotency-key"),
+            api="videos",
+            owner=owner_of(request),
+        )
+    except InvalidRequestError as exc:
+        raise _in_video_terms(exc, body, generation) from None
     return JSONResponse(video_json(service, job))
+
+
+def _in_video_terms(exc: InvalidRequestError, body: dict[str, Any], generation: dict[str, Any]) -> InvalidRequestError:
+    """A stage's refusal of the frames or the size this route derived, named as the client
+    asked: `seconds` or `size`."""
+    if exc.param == "num_frames" and "num_frames" in generation:
+        frames = generation["num_frames"]
+        return InvalidRequestError(
+            f"seconds={body['seconds']} is {frames} frames at {DEFAULT_FPS} fps, which this model cannot make: {exc}",
+            param="seconds",
+        )
+    if exc.param in ("width", "height") and "width" in generation:
+        return InvalidRequestError(f"size={body['size']} is not a size this model makes: {exc}", param="size")
+    return exc
 
 
 @router.get("/v1/videos")

@@ -26,6 +26,7 @@ from omnistage.stages.diffusion.adapters.base import (
 )
 from omnistage.stages.diffusion.limits import defaults_problem
 from omnistage.stages.diffusion.loading import build_adapter
+from omnistage.stages.diffusion.request_caps import CAPS_PARAMS, RequestCaps, check_queued_generation
 from omnistage.stages.diffusion.step_engine import StepEngine
 from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
@@ -33,11 +34,8 @@ from omnistage.stages.registry import register_stage
 STAGE_PARAMS = ParamSet(
     "denoiser",
     LOADING_PARAMS
+    + CAPS_PARAMS
     + (
-        Param("max_inference_steps", "integer", 1000, "Largest num_inference_steps a request may ask.", minimum=1),
-        Param("max_images_per_prompt", "integer", 64, "Largest num_images_per_prompt.", minimum=1),
-        Param("max_frames", "integer", 1024, "Largest num_frames.", minimum=1),
-        Param("max_pixels", "integer", 4096 * 4096, "Largest width x height.", minimum=1),
         Param(
             "aging_factor",
             "number",
@@ -93,6 +91,10 @@ class DenoiserStage(StageEngine):
             outputs["preview"] = Port("image", streaming=True)
         return dict(cls.inputs), outputs
 
+    @classmethod
+    def check_queued(cls, stage, params):
+        check_queued_generation(stage, params)
+
     def __init__(self, ctx):
         super().__init__(ctx)
         self.adapter = build_adapter(ctx, "DENOISER")
@@ -107,27 +109,12 @@ class DenoiserStage(StageEngine):
         )
         self.step_log = self.engine.step_log
         self._errors: list[Emission] = []
-        # request-size limits (stage params): a request beyond them fails as invalid_request
-        self.limits = {
-            "num_inference_steps": p["max_inference_steps"],
-            "num_images_per_prompt": p["max_images_per_prompt"],
-            "num_frames": p["max_frames"],
-        }
-        self.max_pixels = p["max_pixels"]
+        self.caps = RequestCaps.from_stage_params(p)  # a request beyond them fails as invalid_request
         self.previews = bool(p["previews"])
         self._previewed: set[str] = set()
 
     def _check_limits(self, params: GenerationParams) -> None:
-        for key, limit in self.limits.items():
-            value = getattr(params, key)
-            if value is not None and value > limit:
-                raise InvalidRequestError(f"{key} must be <= {limit} on this server, got {value}", param=key)
-        if params.width and params.height and params.width * params.height > self.max_pixels:
-            raise InvalidRequestError(
-                f"width x height must be <= {self.max_pixels} pixels on this server, got "
-                f"{params.width}x{params.height}",
-                param="width",
-            )
+        self.caps.check(params)
         if params.partial_images and not (self.previews and self.adapter.previews):
             why = "has no preview output (stage param previews)" if self.adapter.previews else "cannot preview"
             raise InvalidRequestError(

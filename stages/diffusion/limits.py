@@ -58,17 +58,17 @@ class SizeRange:
         ):
             if value is None:
                 continue
+            if top is not None and value > top:
+                raise InvalidRequestError(
+                    f"{name} must be <= {top} for this model (its positional embedding covers "
+                    f"{top} pixels), got {value}",
+                    param=name,
+                )
             if value % multiple:
                 lower = max(multiple, value - value % multiple)
                 raise InvalidRequestError(
                     f"{name} must be a multiple of {multiple} for this model (VAE factor x patch size), "
                     f"got {value}; e.g. {lower}",
-                    param=name,
-                )
-            if top is not None and value > top:
-                raise InvalidRequestError(
-                    f"{name} must be <= {top} for this model (its positional embedding covers "
-                    f"{top} pixels), got {value}",
                     param=name,
                 )
         if num_frames is None:
@@ -207,10 +207,18 @@ def checkpoint_limits(ctx: Any) -> ModelLimits | None:
 
 def stage_limits(stage: Any) -> dict[str, Any] | None:
     """A denoiser stage's defaults (its `defaults` param applied) and range as plain data,
-    for listings (GET /v1/pipelines/NAME), from a StageSpec whose model is already on disk
-    (call it once the pipeline is ready: a tiny recipe is then built and this only reads two
-    config files). None for other kinds or when the checkpoint cannot be read."""
-    if stage.kind != "denoiser" or stage.model is None:
+    for listings (GET /v1/pipelines/NAME); None for other kinds. See stage_model_limits."""
+    if stage.kind != "denoiser":
+        return None
+    limits = stage_model_limits(stage)
+    return limits.describe() if limits is not None else None
+
+
+def stage_model_limits(stage: Any) -> ModelLimits | None:
+    """The limits of a text_encoder or denoiser stage (a StageSpec) whose model is already on
+    disk (call it once the pipeline is ready: a tiny recipe is then built and this only reads
+    two config files; cached). None for other kinds or when the checkpoint cannot be read."""
+    if stage.kind not in ("text_encoder", "denoiser") or stage.model is None:
         return None
     key = (stage.kind, stage.model.source, stage.model.subfolder, json.dumps(stage.params, sort_keys=True, default=str))
     if key not in _STAGE_LIMITS:
@@ -221,11 +229,10 @@ def stage_limits(stage: Any) -> dict[str, Any] | None:
         try:
             path = resolve_model(stage.model.source, stage.model.subfolder)
             ctx = SimpleNamespace(kind=stage.kind, model_path=str(path), params=dict(stage.params or {}))
-            limits = checkpoint_limits(ctx)
+            _STAGE_LIMITS[key] = checkpoint_limits(ctx)
         except (OSError, ValueError, KeyError, InvalidRequestError):  # e.g. a hub id not in the local cache
-            limits = None
-        _STAGE_LIMITS[key] = limits.describe() if limits is not None else None
+            _STAGE_LIMITS[key] = None
     return _STAGE_LIMITS[key]
 
 
-_STAGE_LIMITS: dict[tuple, dict[str, Any] | None] = {}
+_STAGE_LIMITS: dict[tuple, ModelLimits | None] = {}

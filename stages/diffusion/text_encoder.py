@@ -18,6 +18,7 @@ from omnistage.stages.base import Port, StageRequest
 from omnistage.stages.diffusion.adapters.base import GENERATION_PARAMS, LOADING_PARAMS, GenerationParams
 from omnistage.stages.diffusion.limits import checkpoint_limits
 from omnistage.stages.diffusion.loading import build_adapter
+from omnistage.stages.diffusion.request_caps import check_queued_generation
 from omnistage.stages.dynamic import PreparedBatchEngine
 from omnistage.stages.params import ParamSet
 from omnistage.stages.registry import register_stage
@@ -35,6 +36,10 @@ class TextEncoderStage(PreparedBatchEngine):
     needs_model = True
     stage_params = ParamSet("text_encoder", LOADING_PARAMS)
     request_params = GENERATION_PARAMS
+
+    @classmethod
+    def check_queued(cls, stage, params):
+        check_queued_generation(stage, params)
 
     def __init__(self, ctx):
         super().__init__(ctx)

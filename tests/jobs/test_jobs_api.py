@@ -142,6 +142,21 @@ def test_bad_input_gets_openai_style_errors(jobs_server):
             assert body["param"] == "webhook.url" and body["code"] == "webhook_url_not_allowed", url
         body = error(client.post("/v1/jobs", json=image_job(webhook={"url": "http://x.test/", "events": ["x"]})), 400)
         assert body["param"] == "webhook.events"
+        # what the stages would refuse when the job ran is refused when it is submitted, and
+        # no job is stored: a size past the checkpoint's range, a cap of the denoiser's
+        listed = len(client.get("/v1/jobs", params={"limit": 100}).json()["data"])
+        too_wide = image_job()
+        too_wide["params"]["denoiser"]["width"] = 1000
+        body = error(client.post("/v1/jobs", json=too_wide), 400)
+        assert body["param"] == "width" and "denoiser" in body["message"] and "<= 256" in body["message"]
+        odd = image_job()
+        odd["params"]["denoiser"]["height"] = 66
+        assert "e.g. 64" in error(client.post("/v1/jobs", json=odd), 400)["message"]
+        assert error(client.post("/v1/jobs", json=image_job(steps=5000)), 400)["param"] == "num_inference_steps"
+        prefer = {"Prefer": "respond-async"}
+        sized = {"model": "tiny-image", "prompt": "a", "size": "1000x1000"}
+        assert error(client.post("/v1/images/generations", json=sized, headers=prefer), 400)["param"] == "size"
+        assert len(client.get("/v1/jobs", params={"limit": 100}).json()["data"]) == listed
         huge = {**image_job(), "inputs": {"prompt": "x" * (33 * 1024 * 1024)}}
         assert error(client.post("/v1/jobs", json=huge), 413)["code"] == "body_too_large"
         job = client.post("/v1/jobs", json=image_job()).json()

@@ -70,6 +70,13 @@ def test_video_errors(video_server):
     with pytest.raises(openai.BadRequestError) as err:
         client.videos.create(model="tiny-video", prompt="x", size="big")
     assert err.value.body["param"] == "size"
+    # refused when created, as the stages would refuse them when the job ran
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(model="tiny-video", prompt="x", seconds="100", size="32x32")
+    assert err.value.body["param"] == "seconds" and "frames" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.videos.create(model="tiny-video", prompt="x", size="720x1280")
+    assert err.value.body["param"] == "size"
     with pytest.raises(openai.NotFoundError):
         client.videos.retrieve("job_nope")
 
