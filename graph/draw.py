@@ -134,7 +134,11 @@ def draw_command(file: str, fmt: str, output: str | None, overrides: list[str] |
         return 0
     text = render(spec, fmt)
     if output:
-        Path(output).write_text(text, encoding="utf-8")
+        try:
+            Path(output).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(f"omnistage graph: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
     else:
         sys.stdout.write(text)
     return 0

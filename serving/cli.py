@@ -22,6 +22,18 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     )
 
 
+def port_number(text: str) -> int:
+    """argparse type of a TCP port: 1..65535 (0 would pick a random one, and uvicorn reports
+    the number it was given, not the port it got)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1..65535, got {port}")
+    return port
+
+
 def _add_ray_options(p: argparse.ArgumentParser, backend: bool = False) -> None:
     if backend:
         p.add_argument(
@@ -35,9 +47,15 @@ def _add_ray_options(p: argparse.ArgumentParser, backend: bool = False) -> None:
         type=float,
         default=1.0,
         metavar="F",
-        help="Ray CPUs a stage replica reserves per pool thread (below 1 oversubscribes; --backend ray)",
+        help="Ray CPUs a stage replica reserves per pool thread (below 1 oversubscribes)"
+        + ("; with --backend ray" if backend else ""),
     )
-    p.add_argument("--ingress-replicas", type=int, default=1, help="replicas of the HTTP ingress (--backend ray)")
+    p.add_argument(
+        "--ingress-replicas",
+        type=int,
+        default=1,
+        help="replicas of the HTTP ingress" + (" (with --backend ray)" if backend else ""),
+    )
 
 
 def _add_jobs_options(p: argparse.ArgumentParser) -> None:
@@ -61,7 +79,7 @@ def _add_ray_config_parser(sub) -> None:
     )
     p.add_argument("configs", nargs="+", help="pipeline YAML files or names under configs/")
     p.add_argument("--host", default="0.0.0.0", help="Serve's HTTP proxy address")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="Serve's HTTP proxy port (default 8000)")
     _add_ray_options(p)
     _add_overrides(p)
 
@@ -84,7 +102,7 @@ def _add_serve_parser(sub) -> None:
         help="pipeline YAML files or names under configs/ (default: every configs/tiny-*.yaml)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on (default 8000)")
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -152,13 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ray_config_parser(sub)
 
     p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
-    p.add_argument("file")
+    p.add_argument("file", help="a pipeline YAML file, or the name of one under configs/ (e.g. tiny-llm)")
     _add_overrides(p)
 
     sub.add_parser("schema", help="print the JSON Schema of the pipeline format")
 
     p = sub.add_parser("graph", help="draw a pipeline's DAG (mermaid, dot, or png)")
-    p.add_argument("file")
+    p.add_argument("file", help="a pipeline YAML file, or the name of one under configs/ (e.g. tiny-omni)")
     p.add_argument("--format", choices=["mermaid", "dot", "png"], default="mermaid")
     p.add_argument("-o", "--output", help="output file (required for png)")
     _add_overrides(p)

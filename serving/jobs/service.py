@@ -68,6 +68,16 @@ class JobNotFoundError(NotFoundError):
         self.param = "id"
 
 
+class OutputNotFoundError(NotFoundError):
+    code = "output_not_found"
+
+    def __init__(self, job: Job, name: str):
+        names = [f["name"] for v in job.outputs.values() if isinstance(v, dict) for f in v.get("files", ())]
+        have = f"its outputs: {', '.join(names)}" if names else f"it has no output file yet (status {job.status.value})"
+        super().__init__(f"Job {job.id!r} has no output {name!r}; {have}.")
+        self.param = "name"
+
+
 class JobService:
     def __init__(self, registry: Any, config: JobsConfig, store: JobStore | None = None):
         self.registry = registry
@@ -195,6 +205,14 @@ class JobService:
         if job_id in self.unstored and not job.status.finished:
             job.status, job.error, job.finished_at = JobStatus.FAILED, *self.unstored[job_id]
         return job
+
+    def check_cursor(self, after: str | None, owner: str | None, api: str | None = None) -> None:
+        """A list's `after` must name a job the caller can see (of `api`, when given)."""
+        if after is None:
+            return
+        job = self.store.get_job(after)
+        if job is None or (owner is not None and job.owner != owner) or (api is not None and job.api != api):
+            raise InvalidRequestError(f"after: no job {after!r} to list from (it may have expired)", param="after")
 
     async def cancel(self, job_id: str, owner: str | None = None) -> Job:
         job = self.get(job_id, owner)

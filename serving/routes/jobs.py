@@ -36,7 +36,7 @@ from omnistage.serving.errors import ServiceUnavailableError
 from omnistage.serving.jobs.model import Job, JobsConfig, JobStatus
 from omnistage.serving.jobs.outputs import output_formats, output_path
 from omnistage.serving.jobs.owners import owner_of
-from omnistage.serving.jobs.service import JobNotFoundError, JobService
+from omnistage.serving.jobs.service import JobService, OutputNotFoundError
 from omnistage.streaming.sse import SSE_HEADERS, SSE_MEDIA_TYPE, sse_comment, sse_event
 
 log = logging.getLogger("omnistage.jobs")
@@ -141,6 +141,7 @@ async def list_jobs(
     model: str | None = None,
 ) -> dict:
     service = jobs_service(request)
+    service.check_cursor(after, owner_of(request))
     jobs = service.store.list_jobs(limit + 1, after=after, model=model, owner=owner_of(request))
     return {"object": "list", "data": [service.job_json(j) for j in jobs[:limit]], "has_more": len(jobs) > limit}
 
@@ -177,7 +178,7 @@ async def job_output(job_id: str, name: str, request: Request):
         None,
     )
     if path is None or media_type is None:
-        raise JobNotFoundError(f"{job_id}/outputs/{name}")
+        raise OutputNotFoundError(job, name)
     return FileResponse(path, media_type=media_type, filename=name, content_disposition_type="inline")
 
 

@@ -167,6 +167,7 @@ def _in_video_terms(exc: InvalidRequestError, body: dict[str, Any], generation: 
 @router.get("/v1/videos")
 async def list_videos(request: Request, limit: int = Query(default=20, ge=1, le=100), after: str | None = None):
     service = jobs_service(request)
+    service.check_cursor(after, owner_of(request), api="videos")
     jobs = service.store.list_jobs(limit + 1, after=after, api="videos", owner=owner_of(request))
     data = [video_json(service, j) for j in jobs[:limit]]
     return {

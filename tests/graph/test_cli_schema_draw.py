@@ -130,6 +130,15 @@ def test_draw_command_writes_files(tmp_path, capsys):
     bad.write_text("name: x\n")
     assert draw_command(str(bad), "mermaid", None, []) == 2
     assert f"{bad}:1:1: the pipeline: missing required field 'outputs'" in capsys.readouterr().err
+    nowhere = tmp_path / "missing-dir" / "g.dot"
+    assert draw_command(str(DIAMOND), "dot", str(nowhere), []) == 2
+    assert capsys.readouterr().err.strip() == f"omnistage graph: cannot write {nowhere}: No such file or directory"
+
+
+def test_cli_refuses_a_port_outside_the_tcp_range():
+    for port in ("99999", "-1", "0", "http"):
+        result = run_cli("serve", "tiny-llm", "--port", port)
+        assert result.returncode == 2 and "argument --port" in result.stderr, (port, result.stderr)
 
 
 def test_examples_load():

@@ -163,6 +163,10 @@ def test_bad_input_gets_openai_style_errors(jobs_server):
         wait_status(client, job["id"], ("completed",))
         assert error(client.delete(f"/v1/jobs/{job['id']}"), 409)["code"] == "job_finished"
         assert error(client.get("/v1/jobs/job_missing"), 404)["code"] == "job_not_found"
+        missing = error(client.get(f"/v1/jobs/{job['id']}/outputs/nope.png"), 404)
+        (file,) = client.get(f"/v1/jobs/{job['id']}").json()["outputs"]["image"]["files"]
+        assert missing["code"] == "output_not_found" and file["url"].rsplit("/", 1)[1] in missing["message"]
+        assert error(client.get("/v1/jobs", params={"after": "job_bogus"}), 400)["param"] == "after"
 
 
 def test_a_burst_waits_in_the_store_and_every_job_completes(jobs_server):
