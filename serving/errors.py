@@ -103,12 +103,35 @@ def loc_to_param(loc: tuple | list) -> str | None:
     return out or None
 
 
+def _most_specific(errors: list[dict]) -> tuple[dict, int]:
+    """The error to report, and how many other problems there are. Of the errors at one field
+    tried as each member of a union (`content` as a string, then as a list of parts), the one
+    that got deepest into the value is the member the client meant; the others are not more
+    problems."""
+    if not errors:
+        return {}, 0
+    fields = [_union_field(e.get("loc", ())) for e in errors]
+    same_field = [e for e, f in zip(errors, fields) if f == fields[0]]
+    chosen = max(same_field, key=lambda e: len(e.get("loc", ())))
+    return chosen, len(set(fields)) - 1
+
+
+def _union_field(loc: tuple | list) -> tuple:
+    """An error location up to its first union member tag: the field the union is at."""
+    out = []
+    for part in loc:
+        if isinstance(part, str) and _is_union_member_tag(part):
+            break
+        out.append(part)
+    return tuple(out)
+
+
 def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     # OpenAI answers malformed requests with 400 invalid_request_error naming the parameter.
     errors = exc.errors()
-    first = errors[0] if errors else {}
+    first, others = _most_specific(errors)
     param = loc_to_param(first.get("loc", ()))
-    msg = first.get("msg", "invalid request")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error")
         message = "We could not parse the JSON body of your request" + (f" ({detail})." if detail else ".")
@@ -119,8 +142,8 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         message = "The request body must be a JSON object, sent with Content-Type: application/json."
         return error_response(message, status=400, code="invalid_body")
     message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    if others:
+        message += f" (and {others} more problem{'s' if others > 1 else ''})"
     return error_response(message, status=400, code="invalid_value" if param else "invalid_request", param=param)
 
 

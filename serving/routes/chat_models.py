@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from omnistage.serving.routes.textgen import SamplingFields
 
@@ -43,17 +43,45 @@ class VideoPart(BaseModel):
     video_url: VideoURL
 
 
-ContentPart = TextPart | ImagePart | AudioPart | VideoPart
+_PART_MODELS = {"text": "TextPart", "image_url": "ImagePart", "input_audio": "AudioPart", "video_url": "VideoPart"}
+
+
+def _part_model(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _PART_MODELS.get(kind) if isinstance(kind, str) else None
+
+
+# chosen by `type` (an unknown one is one error naming those there are); tagged with the
+# models' names, which error locations drop (serving/errors.py: loc_to_param)
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("TextPart")]
+    | Annotated[ImagePart, Tag("ImagePart")]
+    | Annotated[AudioPart, Tag("AudioPart")]
+    | Annotated[VideoPart, Tag("VideoPart")],
+    Discriminator(
+        _part_model,
+        custom_error_type="invalid_content_part",
+        custom_error_message=f"a content part's type must be one of {', '.join(_PART_MODELS)}",
+    ),
+]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # required but for an assistant's turn (which may carry tool_calls instead), as OpenAI has it
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"a {info.data['role']} message needs content")
+        return content
 
 
 class MMProcessorKwargs(BaseModel):

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 from fastapi import APIRouter, Form, Request, UploadFile
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from omnistage.errors import InvalidRequestError
 from omnistage.serving.routes.images import (
@@ -33,13 +33,14 @@ from omnistage.serving.routes.images import (
     refuse_unservable,
     run_images,
 )
+from omnistage.serving.routes.request_base import OpenAIRequest
 from omnistage.serving.routes.served import UnsupportedError, invalid, served_pipeline
 from omnistage.stages.media_limits import check_image_size, image_problem
 
 router = APIRouter(tags=["openai"])
 
 
-class ImageEditRequest(BaseModel):
+class ImageEditRequest(OpenAIRequest):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     model: str

@@ -19,13 +19,14 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from omnistage.errors import InvalidRequestError
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.jobs.respond_async import image_format, respond_async
 from omnistage.serving.media import MediaFormat, encode_media
 from omnistage.serving.routes.image_files import image_store, image_url
+from omnistage.serving.routes.request_base import OpenAIRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid, new_id, now, served_pipeline
 
 router = APIRouter(tags=["openai"])
@@ -36,9 +37,7 @@ SIZE = re.compile(r"^([1-9][0-9]*)x([1-9][0-9]*)$")
 OutputFormat = Literal["png", "jpeg", "webp"]
 
 
-class ImageGenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ImageGenerationRequest(OpenAIRequest):
     model: str
     prompt: str = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=MAX_IMAGES)

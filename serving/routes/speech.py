@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.media import DEFAULT_SAMPLE_RATE
+from omnistage.serving.routes.request_base import OpenAIRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, served_pipeline
 from omnistage.serving.routes.speech_audio import SpeechEncoder
 from omnistage.serving.routes.streams import one_per_batch, sse_stream
@@ -39,9 +40,7 @@ class VoiceId(BaseModel):
     id: str
 
 
-class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SpeechRequest(OpenAIRequest):
     model: str
     input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS)
     voice: str | VoiceId = Field(description="a voice of the model (tiny-omni: Chelsie, Ethan)")

@@ -6,8 +6,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
+from omnistage.serving.routes.request_base import OpenAIRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, invalid
 
 MAX_N = 16
@@ -18,11 +19,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(OpenAIRequest):
     """Sampling fields of chat and text completions; the extras (top_k, min_p,
     repetition_penalty, ...) are what vLLM accepts beside OpenAI's."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)

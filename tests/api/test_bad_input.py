@@ -46,6 +46,22 @@ CASES = [
         "messages[0].role",
     ),
     ("missing-messages", CHAT, {"model": "tiny-llm"}, 400, "invalid_value", "messages"),
+    (
+        "user-without-content",
+        CHAT,
+        {"model": "tiny-llm", "messages": [{"role": "user"}]},
+        400,
+        None,
+        "messages[0].content",
+    ),
+    (
+        "unknown-part-type",
+        CHAT,
+        {"model": "tiny-llm", "messages": [{"role": "user", "content": [{"type": "foo"}]}]},
+        400,
+        "invalid_value",
+        "messages[0].content[0]",
+    ),
     ("missing-model", CHAT, {"messages": USER}, 400, "invalid_value", "model"),
     ("unknown-field", CHAT, {"model": "tiny-llm", "messages": USER, "max_token": 3}, 400, "invalid_value", "max_token"),
     ("unknown-model", CHAT, {"model": "gpt-9", "messages": USER}, 404, "model_not_found", "model"),
@@ -168,3 +184,28 @@ def test_a_json_body_without_its_content_type_is_told_to_send_one(api_server):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "invalid_body" and "Content-Type: application/json" in err["message"], err
+
+
+def test_explicit_nulls_mean_the_defaults(api_server):
+    """OpenAI's reference marks these optional fields nullable, and clients send them so."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "temperature": None, "stop": None}
+    r = httpx.post(
+        api_server.url + CHAT, json={"model": "tiny-llm", "messages": USER, "max_tokens": 2, **nulls}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert len(reply["choices"]) == 1 and reply["choices"][0]["logprobs"] is None
+    r = httpx.post(
+        api_server.url + "/v1/completions",
+        json={"model": "tiny-llm", "prompt": "a", "max_tokens": 2, "n": None, "echo": None, "stream": None},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(
+        api_server.url + "/v1/images/generations",
+        json={"model": "tiny-image", "prompt": "x", "size": "64x64", "n": None, "response_format": None},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.json()["data"]) == 1 and r.json()["data"][0]["b64_json"], r.text[:300]
+    refused = httpx.post(api_server.url + CHAT, json={"model": None, "messages": USER}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
