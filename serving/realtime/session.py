@@ -13,6 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from omnistage.errors import OmnistageError
+from omnistage.graph.inputs import check_queued_params
 from omnistage.serving.realtime import events as ev
 from omnistage.serving.realtime.audio import AudioDataError, decode_b64
 from omnistage.serving.realtime.buffer import MAX_BUFFER_S, MIN_COMMIT_MS, InputBuffer
@@ -101,6 +103,8 @@ class RealtimeSession:
             raise ev.ProtocolError(str(exc), "invalid_value", exc.param) from None
         if event.session.get("model") not in (None, self.served.name):
             raise ev.ProtocolError("the session's model cannot change", "invalid_value", "session.model")
+        if new.voice != self.config.voice:
+            self._check_voice(new.voice, event.session)
         format_changed = new.input_format != self.config.input_format
         vad_changed = format_changed or new.turn_detection != self.config.turn_detection
         self.config = new
@@ -110,6 +114,18 @@ class RealtimeSession:
         if vad_changed:
             self._reset_vad()
         await self.send(ev.server_event("session.updated", session=self.session_object()))
+
+    def _check_voice(self, voice: str | None, session: dict) -> None:
+        """A voice the speech stages would refuse is refused now, not at the next response."""
+        stages = self.served.serve.speech_params
+        if voice is None or not stages:
+            return
+        try:
+            check_queued_params(self.served.spec, self.served.stage_params({"voice": voice}, stages))
+        except OmnistageError as exc:
+            output = (session.get("audio") or {}).get("output") or {}
+            param = "session.audio.output.voice" if "voice" in output else "session.voice"
+            raise ev.ProtocolError(str(exc), "invalid_value", param) from None
 
     def _reset_vad(self) -> None:
         td = self.config.turn_detection

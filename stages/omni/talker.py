@@ -25,6 +25,7 @@ bos never sampled); every one can be overridden per request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,13 @@ class TalkerStage(StageEngine):
     needs_model = True
     stage_params = STAGE_PARAMS
     request_params = REQUEST_PARAMS
+
+    @classmethod
+    def check_queued(cls, stage: Any, params: dict[str, Any]) -> None:
+        voice = params.get("voice")
+        known = _voice_names(stage)
+        if voice is not None and known and voice not in known:
+            raise InvalidRequestError(f"unknown voice {voice!r}; known: {', '.join(known)}", param="voice")
 
     def __init__(self, ctx: StageContext):
         super().__init__(ctx)
@@ -315,3 +323,25 @@ class TalkerStage(StageEngine):
             "usage": {"prompt_tokens": out.num_prompt_tokens, "codec_tokens": len(req.codes)},
         }
         return Emission(req.request_id, outputs={**outputs, "info": info}, finished=True)
+
+
+@functools.cache
+def _voice_names_of(model_dir: str, voices_file: str | None) -> tuple[str, ...]:
+    from pathlib import Path
+
+    voices = torch.load(Path(voices_file or Path(model_dir) / "spk_dict.pt"), map_location="cpu", weights_only=True)
+    return tuple(voices)
+
+
+def _voice_names(stage: Any) -> tuple[str, ...]:
+    """The voices of a talker stage (a StageSpec) whose checkpoint is on disk; () when it
+    cannot be read here (the stage checks when the request reaches it)."""
+    from omnistage.models.recipes import resolve_model
+
+    if stage.model is None:
+        return ()
+    try:
+        model_dir = str(resolve_model(stage.model.source, stage.model.subfolder))
+        return _voice_names_of(model_dir, (stage.params or {}).get("voices_file"))
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return ()

@@ -76,6 +76,13 @@ BAD = [
     ),  # 3 bytes: half a sample
     (json.dumps({"type": "input_audio_buffer.append"}), "invalid_value", "audio"),
     (json.dumps({"type": "session.update", "session": {"voicee": "x"}}), "invalid_value", "session.voicee"),
+    # a voice the talker lacks: refused now, not when the next response fails
+    (json.dumps({"type": "session.update", "session": {"voice": "alloy"}}), "invalid_value", "session.voice"),
+    (
+        json.dumps({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}}}),
+        "invalid_value",
+        "session.audio.output.voice",
+    ),
     (
         json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"threshold": 2}}}}}),
         "invalid_value",
@@ -118,6 +125,8 @@ def test_bad_events_get_error_events_and_the_session_goes_on(rt_server):
         if code is not None:
             assert err["code"] == code, (raw, err)
         assert err["param"] == param, (raw, err)
+        if "alloy" in raw:
+            assert "Chelsie" in err["message"] and "Ethan" in err["message"], err
     assert errors[2]["error"]["event_id"] == "e1" and errors[3]["error"]["event_id"] == "e2"
     assert usage["output_tokens"] > 0
 
