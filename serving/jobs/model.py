@@ -52,6 +52,7 @@ class Job:
     cancel_requested: bool = False
     api: str = "jobs"  # the API that created it: "jobs" or "videos"
     owner: str | None = None  # digest of the API key that created it (None: an open server)
+    request_digest: str | None = None  # of the request, when it came with an idempotency key
 
 
 @dataclass

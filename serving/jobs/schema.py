@@ -58,6 +58,11 @@ MIGRATIONS: list[str] = [
     ALTER TABLE jobs ADD COLUMN lease_until {real};
     ALTER TABLE webhook_outbox ADD COLUMN claimed_until {real} NOT NULL DEFAULT 0;
     """,
+    # 4: a digest of the request that created a job under an idempotency key, so the same key
+    # with another request is refused instead of answered with the first request's job
+    """
+    ALTER TABLE jobs ADD COLUMN request_digest TEXT;
+    """,
 ]
 
 DIALECT_TYPES = {
@@ -75,7 +80,8 @@ def migration_statements(dialect: str, number: int) -> list[str]:
 JSON_FIELDS = ("inputs", "params", "metadata", "webhook", "output_format", "outputs", "error")
 JOB_COLUMNS = (
     "id model status priority inputs params metadata webhook output_format idempotency_key progress_done "
-    "progress_total outputs error attempts created_at started_at finished_at expires_at cancel_requested api owner"
+    "progress_total outputs error attempts created_at started_at finished_at expires_at cancel_requested api owner "
+    "request_digest"
 ).split()
 STORE_ONLY_COLUMNS = ("runner", "lease_until")  # in the table, not on Job
 

@@ -10,6 +10,7 @@ claim already in flight is canceled as soon as it lands (scheduler.py).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -58,6 +59,24 @@ class JobQueueFullError(OmnistageError):
     def __init__(self, limit: int):
         super().__init__(f"This API key already has {limit} queued jobs (the per-key limit); retry later.")
         self.retry_after = QUEUE_FULL_RETRY_S
+
+
+class IdempotencyKeyReusedError(OmnistageError):
+    status = 422
+    code = "idempotency_key_reused"
+
+    def __init__(self, key: str, job_id: str):
+        super().__init__(
+            f"Idempotency-Key {key!r} was used for another request (job {job_id!r}); a retry must send the "
+            "same request, a new request needs a new key."
+        )
+        self.param = "Idempotency-Key"
+
+
+def request_digest(**request: Any) -> str:
+    """A digest of what a job request asks (canonical JSON): equal for a retry of it."""
+    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class JobNotFoundError(NotFoundError):
@@ -151,15 +170,22 @@ class JobService:
                 await asyncio.to_thread(check_destination, webhook["url"], self.allow, self.resolver)
             else:
                 check_destination(webhook["url"], self.allow, self.resolver)
+        digest = None
+        if idempotency_key is not None:
+            digest = request_digest(model=model, inputs=inputs, params=params, webhook=webhook, metadata=metadata,
+                                    priority=priority, output_format=output_format, api=api, owner=owner)  # fmt: skip
         job = Job(
             id=f"job_{uuid.uuid4().hex}", model=model, inputs=inputs, params=params, priority=priority,
             metadata=metadata, webhook=webhook, output_format=output_format, idempotency_key=idempotency_key,
-            api=api, owner=owner,
+            api=api, owner=owner, request_digest=digest,
         )  # fmt: skip
         admitted = await self.admission.submit(job)
         if admitted.refused is not None:
             raise JobQueueFullError(self.config.max_queued_per_key or 0)
         if not admitted.created:
+            earlier = admitted.job.request_digest
+            if earlier is not None and earlier != digest:  # (None: stored before digests were kept)
+                raise IdempotencyKeyReusedError(idempotency_key or "", admitted.job.id)
             return admitted.job, False, self.job_json(admitted.job)
         self.scheduler.wake.set()
         self.notify()

@@ -66,10 +66,16 @@ def test_idempotency_key_returns_the_same_job(jobs_server):
     with httpx.Client(base_url=jobs_server.url, timeout=60) as client:
         headers = {"Idempotency-Key": "same-key-1"}
         first = client.post("/v1/jobs", json=image_job(), headers=headers)
-        second = client.post("/v1/jobs", json=image_job(seed=99), headers=headers)
+        second = client.post("/v1/jobs", json=image_job(), headers=headers)
         assert first.status_code == second.status_code == 202
         assert first.json()["id"] == second.json()["id"]
         assert second.headers["idempotent-replayed"] == "true" and "idempotent-replayed" not in first.headers
+        # the key with another request is refused, not answered with the first request's job
+        other = client.post("/v1/jobs", json=image_job(seed=99), headers=headers)
+        assert other.status_code == 422, other.text
+        error = other.json()["error"]
+        assert error["code"] == "idempotency_key_reused" and error["param"] == "Idempotency-Key"
+        assert first.json()["id"] in error["message"]
         wait_status(client, first.json()["id"], ("completed",))
         ids = [j["id"] for j in client.get("/v1/jobs", params={"limit": 100}).json()["data"]]
         assert ids.count(first.json()["id"]) == 1

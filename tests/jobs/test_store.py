@@ -49,7 +49,7 @@ def job(n: int, model: str = "m", **fields) -> Job:
 
 def test_schema_is_migrated_once_to_the_current_version(open_store):
     first = open_store()
-    assert first.schema_version == len(MIGRATIONS) == 3
+    assert first.schema_version == len(MIGRATIONS) == 4
     first.create_job(job(1))
     second = open_store()  # opening again applies nothing twice and keeps the rows
     assert second.schema_version == len(MIGRATIONS) and second.get_job("job_0001").inputs == {"prompt": "1"}

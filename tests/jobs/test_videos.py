@@ -93,9 +93,9 @@ def test_schema_version_1_database_migrates_to_the_current_one(tmp_path):
     db.close()
     store = SQLiteJobStore(path)
     try:
-        assert store.schema_version == len(MIGRATIONS) == 3
+        assert store.schema_version == len(MIGRATIONS) == 4
         job = store.get_job("job_old")
-        assert job.api == "jobs" and job.status.value == "queued"
+        assert job.api == "jobs" and job.status.value == "queued" and job.request_digest is None
         assert store.list_jobs(10, api="videos") == []
     finally:
         store.close()
