@@ -33,6 +33,9 @@ async def list_models(request: Request) -> dict:
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> dict:
     registry = request.app.state.registry
+    model = model.rstrip("/")  # a path parameter (names may hold slashes): /v1/models/NAME/ is NAME
+    if not model:
+        return await list_models(request)
     entry = registry.entry(model)
     if entry is None:
         raise ModelNotFoundError(model, registry.names())

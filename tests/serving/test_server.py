@@ -62,6 +62,9 @@ def test_models_list_in_openai_format(slow_server):
     assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "omnistage"
     assert isinstance(card["created"], int) and card["created"] > 1_600_000_000
     assert httpx.get(f"{slow_server.url}/v1/models/{MODEL}").json()["id"] == MODEL
+    # trailing slashes: the model's card and the list, not "model 'NAME/' does not exist"
+    assert httpx.get(f"{slow_server.url}/v1/models/{MODEL}/").json()["id"] == MODEL
+    assert httpx.get(f"{slow_server.url}/v1/models/").json() == body
 
 
 def test_official_openai_client_reads_models_and_errors(slow_server):
