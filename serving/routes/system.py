@@ -13,7 +13,7 @@ from omnistage.serving.metrics import PROMETHEUS_MEDIA_TYPE
 router = APIRouter(tags=["system"])
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers that probe with it
 async def health(request: Request) -> dict:
     """Liveness: 200 as long as the process serves HTTP (also while loading or draining)."""
     registry = request.app.state.registry
@@ -21,7 +21,7 @@ async def health(request: Request) -> dict:
     return {"status": status, "uptime_s": round(time.time() - registry.started_at, 3)}
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once every stage of every pipeline is ready, 503 before and while draining."""
     detail = request.app.state.registry.readiness()

@@ -53,6 +53,9 @@ def test_health_answers_while_pipelines_load(slow_server):
     assert ready["ready"] is True and ready["draining"] is False
     stages = ready["pipelines"][MODEL]["stages"]
     assert set(stages) == {"slow", "add"} and all(s["ready"] for s in stages.values())
+    for probe in ("/health", "/ready"):  # HEAD as some load balancers probe: the status, no body
+        head = httpx.head(f"{slow_server.url}{probe}")
+        assert head.status_code == 200 and head.content == b"", probe
 
 
 def test_models_list_in_openai_format(slow_server):
