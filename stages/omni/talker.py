@@ -343,5 +343,5 @@ def _voice_names(stage: Any) -> tuple[str, ...]:
     try:
         model_dir = str(resolve_model(stage.model.source, stage.model.subfolder))
         return _voice_names_of(model_dir, (stage.params or {}).get("voices_file"))
-    except (OSError, ValueError, KeyError, RuntimeError):
+    except (OSError, ValueError, KeyError, RuntimeError, InvalidRequestError):  # e.g. not in this host's cache
         return ()
