@@ -134,16 +134,23 @@ def test_cancel_button_cancels_the_running_job(demo_server, open_browser):
     assert job["status"] == "canceled"
 
 
-def test_a_failed_job_shows_the_servers_error(demo_server, open_browser):
+def test_a_refused_job_shows_the_servers_error(demo_server, open_browser):
     driver = open_browser()
     open_demo(driver, demo_server, "jobs")
-    # more steps than the denoiser takes (max_inference_steps): the job fails when it runs
+    # more steps than the denoiser takes (max_inference_steps): refused when submitted (400)
     fill_job_form(driver, "tiny-image", prompt="too long", width=64, height=64, steps=5000, seed=1)
     wait_for(driver, "/^(completed|failed|canceled|error)/.test(window.demo.jobs.status)", 120, "the job's end")
     state = page_state(driver, "window.demo.jobs")
-    job = httpx.get(f"{demo_server.url}/v1/jobs/{state['jobId']}", headers=AUTH).json()
-    assert job["status"] == "failed" and job["error"]["message"]
+    body = {
+        "model": "tiny-image",
+        "inputs": {"prompt": "too long"},
+        "params": {"denoiser": {"width": 64, "height": 64, "num_inference_steps": 5000, "seed": 1}},
+    }
+    refused = httpx.post(f"{demo_server.url}/v1/jobs", json=body, headers=AUTH)
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert "num_inference_steps" in message
     # the page shows the server's own message
-    assert state["error"] == job["error"]["message"]
-    assert state["status"] == f"failed: {job['error']['message']}"
+    assert state["error"] == message
+    assert state["status"] == f"error: {message}"
     assert page_state(driver, "document.getElementById('job-submit').disabled") is False
