@@ -170,13 +170,14 @@ class JobService:
                 await asyncio.to_thread(check_destination, webhook["url"], self.allow, self.resolver)
             else:
                 check_destination(webhook["url"], self.allow, self.resolver)
-        digest = None
+        digest, key = None, idempotency_key
         if idempotency_key is not None:
+            key = idempotency_key if owner is None else f"{owner}/{idempotency_key}"  # each API key its own
             digest = request_digest(model=model, inputs=inputs, params=params, webhook=webhook, metadata=metadata,
                                     priority=priority, output_format=output_format, api=api, owner=owner)  # fmt: skip
         job = Job(
             id=f"job_{uuid.uuid4().hex}", model=model, inputs=inputs, params=params, priority=priority,
-            metadata=metadata, webhook=webhook, output_format=output_format, idempotency_key=idempotency_key,
+            metadata=metadata, webhook=webhook, output_format=output_format, idempotency_key=key,
             api=api, owner=owner, request_digest=digest,
         )  # fmt: skip
         admitted = await self.admission.submit(job)

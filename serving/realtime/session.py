@@ -103,7 +103,9 @@ class RealtimeSession:
             raise ev.ProtocolError(str(exc), "invalid_value", exc.param) from None
         if event.session.get("model") not in (None, self.served.name):
             raise ev.ProtocolError("the session's model cannot change", "invalid_value", "session.model")
-        if new.voice != self.config.voice:
+        # the voice reaches the speech stages only when the session speaks (a text session may
+        # carry a client's default voice it never uses)
+        if new.speaks and (new.voice != self.config.voice or not self.config.speaks):
             self._check_voice(new.voice, event.session)
         format_changed = new.input_format != self.config.input_format
         vad_changed = format_changed or new.turn_detection != self.config.turn_detection

@@ -13,7 +13,7 @@ from omnistage.serving.metrics import PROMETHEUS_MEDIA_TYPE
 router = APIRouter(tags=["system"])
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers that probe with it
+@router.get("/health")
 async def health(request: Request) -> dict:
     """Liveness: 200 as long as the process serves HTTP (also while loading or draining)."""
     registry = request.app.state.registry
@@ -21,11 +21,17 @@ async def health(request: Request) -> dict:
     return {"status": status, "uptime_s": round(time.time() - registry.started_at, 3)}
 
 
-@router.api_route("/ready", methods=["GET", "HEAD"])
+@router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     """Readiness: 200 once every stage of every pipeline is ready, 503 before and while draining."""
     detail = request.app.state.registry.readiness()
     return JSONResponse(detail, status_code=200 if detail["ready"] else 503)
+
+
+# HEAD, as some load balancers probe: the same status, no body; out of the OpenAPI document
+# (one operation per route and method there)
+router.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+router.add_api_route("/ready", ready, methods=["HEAD"], include_in_schema=False)
 
 
 @router.get("/metrics")

@@ -148,8 +148,10 @@ class TalkerStage(StageEngine):
     @classmethod
     def check_queued(cls, stage: Any, params: dict[str, Any]) -> None:
         voice = params.get("voice")
+        if not voice:  # none or "": the checkpoint's first
+            return
         known = _voice_names(stage)
-        if voice is not None and known and voice not in known:
+        if known and voice not in known:
             raise InvalidRequestError(f"unknown voice {voice!r}; known: {', '.join(known)}", param="voice")
 
     def __init__(self, ctx: StageContext):

@@ -39,3 +39,11 @@ def test_edits_and_speech_carry_their_schemas(api_server):
     assert {"input", "voice", "response_format", "speed", "stream_format"} <= set(
         schemas["SpeechRequest"]["properties"]
     )
+
+
+def test_every_operation_id_is_unique(api_server):
+    """Client generators key methods by operationId; a route answering two methods under one
+    function (GET and HEAD) must not publish the id twice."""
+    spec = httpx.get(api_server.url + "/openapi.json", timeout=30).json()
+    ids = [op["operationId"] for item in spec["paths"].values() for op in item.values() if "operationId" in op]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)

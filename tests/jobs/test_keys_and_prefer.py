@@ -57,6 +57,14 @@ def test_another_keys_job_is_not_found_anywhere(keyed_server):
         assert job_id in [j["id"] for j in a.get("/v1/jobs", params={"limit": 100}).json()["data"]]
         assert job_id not in [j["id"] for j in b.get("/v1/jobs", params={"limit": 100}).json()["data"]]
         assert a.get(f"/v1/jobs/{job_id}").json()["status"] == "completed"  # B's DELETE did nothing
+        # an Idempotency-Key belongs to the API key that sent it: B's same key is B's own job
+        same = {"Idempotency-Key": "order-17"}
+        first_a = a.post("/v1/jobs", json=image_job(steps=2, seed=4), headers=same)
+        first_b = b.post("/v1/jobs", json=image_job(steps=2, seed=4), headers=same)
+        assert first_a.status_code == first_b.status_code == 202, first_b.text
+        assert first_a.json()["id"] != first_b.json()["id"] and "idempotent-replayed" not in first_b.headers
+        again_b = b.post("/v1/jobs", json=image_job(steps=2, seed=4), headers=same)
+        assert again_b.json()["id"] == first_b.json()["id"] and again_b.headers["idempotent-replayed"] == "true"
 
     async def ws_first(path: str, key: str):
         url = keyed_server.url.replace("http", "ws") + path

@@ -273,3 +273,18 @@ def test_eight_concurrent_requests_get_what_they_get_alone_and_cancel_frees_kv(o
     for stage in (thinker, talker):
         assert stage.num_requests() == 0
         assert stage.engine.num_free_blocks == stage.engine.num_total_blocks
+
+
+def test_queued_voice_check_refuses_only_voices_the_checkpoint_lacks(omni_dir):
+    """What the jobs API and realtime session.update ask before queueing: a voice the
+    checkpoint's spk_dict.pt lacks is refused naming the voices; none or "" is the default."""
+    from omnistage.errors import InvalidRequestError
+    from omnistage.graph.inputs import check_queued_params
+    from omnistage.graph.loader import load_pipeline
+
+    spec = load_pipeline("tiny-omni")
+    for ok in ({}, {"voice": None}, {"voice": ""}, {"voice": "Ethan"}, {"voice": "Chelsie"}):
+        check_queued_params(spec, {"talker": ok})
+    with pytest.raises(InvalidRequestError) as err:
+        check_queued_params(spec, {"talker": {"voice": "alloy"}})
+    assert err.value.param == "voice" and "Chelsie" in str(err.value) and "Ethan" in str(err.value)

@@ -113,13 +113,21 @@ def test_bad_events_get_error_events_and_the_session_goes_on(rt_server):
             for raw, _, _ in BAD:
                 await ws.send(raw)
                 errors.append(await until(ws, "error", timeout=30))
+            # a text session may carry a voice it never uses (a client's default); turning
+            # speech on with it is what gets refused
+            await send(ws, "session.update", session={**TEXT, "voice": "alloy"})
+            await until(ws, "session.updated")
+            await send(ws, "session.update", session={"output_modalities": ["audio"]})
+            errors.append(await until(ws, "error", timeout=30))
             await send(ws, "session.update", session=TEXT)
             await until(ws, "session.updated")
             usage = await _text_turn(ws, "Still there?")
             return errors, usage
 
     errors, usage = asyncio.run(talk())
-    for (raw, code, param), event in zip(BAD, errors):
+    speech_on = errors.pop()
+    assert speech_on["error"]["param"] == "session.voice" and "alloy" in speech_on["error"]["message"]
+    for (raw, code, param), event in zip(BAD, errors, strict=True):
         err = event["error"]
         assert err["type"] == "invalid_request_error" and err["message"], (raw, err)
         if code is not None:
