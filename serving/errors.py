@@ -113,7 +113,15 @@ def _most_specific(errors: list[dict]) -> tuple[dict, int]:
     fields = [_union_field(e.get("loc", ())) for e in errors]
     same_field = [e for e, f in zip(errors, fields) if f == fields[0]]
     chosen = max(same_field, key=lambda e: len(e.get("loc", ())))
-    return chosen, len(set(fields)) - 1
+    member = _union_member(chosen.get("loc", ()))
+    in_member = {tuple(e.get("loc", ())) for e in same_field if _union_member(e.get("loc", ())) == member}
+    return chosen, len(set(fields)) - 1 + len(in_member) - 1
+
+
+def _union_member(loc: tuple | list) -> tuple:
+    """An error location up to and including its first union member tag."""
+    field = _union_field(loc)
+    return tuple(loc[: len(field) + 1])
 
 
 def _union_field(loc: tuple | list) -> tuple:
