@@ -18,7 +18,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from omnistage.errors import DeadlineExceededError
+from omnistage.errors import DeadlineExceededError, OmnistageError
 from omnistage.graph.spec import PIPELINE_OUTPUTS, PipelineSpec
 from omnistage.runtime.credit import CreditTally, data_nbytes, half_window
 from omnistage.runtime.orchestrator import Orchestrator
@@ -184,6 +184,16 @@ class Pipeline:
         sink: queue.SimpleQueue = queue.SimpleQueue()
         deadline = time.time() + timeout if timeout is not None else None
         rid = self._orch.submit(inputs, params, sink.put, request_id, deadline)
+        try:
+            return self._collect(rid, sink, timeout)
+        except BaseException as exc:
+            # Ctrl+C (KeyboardInterrupt) or any other way out: the request stops in every stage
+            # instead of running on (and holding close() for its drain timeout)
+            if not isinstance(exc, OmnistageError):
+                self.abort(rid)
+            raise
+
+    def _collect(self, rid: str, sink: queue.SimpleQueue, timeout: float | None) -> dict[str, Any]:
         chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
         taken = CreditTally(self._output_half_windows if self._returns_credit else {})
         while True:

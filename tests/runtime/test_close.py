@@ -47,3 +47,32 @@ def test_close_leaves_no_process_or_shared_memory(own_pipelines):
     assert not [c for c in multiprocessing.active_children() if c.pid in pids]
     assert not [f for f in os.listdir("/dev/shm") if any(f.startswith(pre) for pre in prefixes)]
     assert semaphore_files(permit_inodes) == []
+
+
+INTERRUPTED_RUN = """
+import os, signal, threading, time
+from omnistage.runtime.pipeline import Pipeline
+
+with Pipeline.from_yaml("tiny-image", ready_timeout=120) as p:
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:  # 1000 denoiser steps: tens of seconds; an aborted request leaves at its next step
+        p.run({"prompt": "a cube"}, {"denoiser": {"num_inference_steps": 1000, "width": 64, "height": 64}})
+    except KeyboardInterrupt:
+        print("in flight", p.num_requests(), flush=True)
+        closing = time.monotonic()
+print("closed in", round(time.monotonic() - closing, 1), flush=True)
+"""
+
+
+def test_ctrl_c_in_run_aborts_its_request_and_close_does_not_wait_for_it():
+    """Ctrl+C while `run()` waits: the request leaves the pipeline at once, so leaving the
+    `with` block closes without waiting out the drain timeout (30 s) for it."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_RUN], capture_output=True, text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "in flight 0", done.stdout
+    assert float(lines[1].split()[-1]) < 10, done.stdout
