@@ -81,7 +81,7 @@ def _substitute(node: ScalarNode, environ: Mapping[str, str], problems: list[Pro
     result = "".join(out)
     whole = _REF.fullmatch(text) is not None and not text.startswith("$${")
     if whole:
-        reread, errors = parse_yaml(result, node.pos.file) if result.strip() else (None, [])
+        reread, errors = parse_yaml(result, node.pos.file, value=True) if result.strip() else (None, [])
         if not errors and reread is not None:
             reread = _relocate(reread, node)
             if isinstance(reread, ScalarNode):

@@ -152,8 +152,10 @@ def _is_quoted(value: ScalarString) -> bool:
     return style in ("'", '"')
 
 
-def parse_yaml(text: str, file: str) -> tuple[Node | None, list[Problem]]:
-    """Parse YAML text into a node tree; a syntax error comes back as one Problem."""
+def parse_yaml(text: str, file: str, value: bool = False) -> tuple[Node | None, list[Problem]]:
+    """Parse YAML text into a node tree; a syntax error comes back as one Problem. `value`: the
+    text is one value (an override's, an interpolated one), where `null` is a value, not an
+    empty file."""
     try:
         data = _yaml().load(text)
     except MarkedYAMLError as err:
@@ -166,6 +168,8 @@ def parse_yaml(text: str, file: str) -> tuple[Node | None, list[Problem]]:
     except YAMLError as err:
         return None, [Problem(SourcePos(file, 1, 1), f"YAML syntax error: {err}")]
     lines = text.splitlines()
+    if data is None and value:
+        return ScalarNode(None, SourcePos(file, 1, 1)), []
     if data is None:
         return None, [
             Problem(

@@ -34,7 +34,7 @@ def _apply_one(root: Node, index: int, text: str, problems: list[Problem]) -> No
         return
     segments = path.split(".")
     value_col = len(path) + 2
-    value_node, errors = parse_yaml(value_text, file) if value_text.strip() else (None, [])
+    value_node, errors = parse_yaml(value_text, file, value=True) if value_text.strip() else (None, [])
     for err in errors:
         problems.append(Problem(SourcePos(file, 1, err.pos.col + value_col - 1), err.message))
     if errors:

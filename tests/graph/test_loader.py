@@ -449,6 +449,17 @@ def test_env_missing_without_default_is_an_error_at_its_position(tmp_path):
     ]
 
 
+def test_null_is_a_value_in_overrides_and_env_defaults(tmp_path):
+    """`null` (or ~) given to --set or as ${VAR:-null} is YAML's null, as written in the file;
+    it used to be read as an empty file."""
+    text = GOOD + "limits:\n  deadline_s: ${GTEST_DEADLINE:-null}\n"
+    assert load_pipeline(write(tmp_path, text), environ={}).default_deadline_s is None
+    assert load_pipeline(write(tmp_path, text), environ={"GTEST_DEADLINE": "7"}).default_deadline_s == 7
+    path = write(tmp_path, GOOD + "limits:\n  deadline_s: 5\n")
+    for null in ("null", "~", "Null"):
+        assert load_pipeline(path, overrides=[f"limits.deadline_s={null}"]).default_deadline_s is None
+
+
 def test_env_value_is_validated_like_a_literal(tmp_path):
     f, lines = problems(tmp_path, ENV_GOOD, environ={"VOC_REPLICAS": "0"})
     has(lines, f"{f}:14:56:", "stages.voc.pool.replicas must be >= 1, got 0")
