@@ -44,6 +44,23 @@ def resolve_pipeline_path(path_or_name: str | os.PathLike) -> Path:
     return Path(text)
 
 
+def _missing_file_hint(path: Path) -> str:
+    """What to load instead: the packaged pipelines for a bare name; for a relative path such
+    as configs/tiny-llm.yaml (the docs' examples, written from the checkout), the packaged
+    file it names."""
+    configs = package_configs_dir()
+    if path.parent == configs:
+        names = sorted(p.stem for p in configs.glob("*.yaml"))
+        return f"; pipelines under configs/: {', '.join(names) or 'none'}"
+    parts = path.parts
+    if not path.is_absolute() and "configs" in parts:
+        packaged = configs.joinpath(*parts[parts.index("configs") + 1 :])
+        if packaged.is_file():
+            by_name = f"the name {packaged.stem!r} or " if packaged.parent == configs else ""
+            return f" in {Path.cwd()}; the package has it: {by_name}{packaged}"
+    return ""
+
+
 def load_pipeline(
     path_or_name: str | os.PathLike,
     overrides: list[str] | tuple[str, ...] = (),
@@ -55,11 +72,7 @@ def load_pipeline(
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        hint = ""
-        if path.parent == package_configs_dir():
-            names = sorted(p.stem for p in path.parent.glob("*.yaml"))
-            hint = f"; pipelines under configs/: {', '.join(names) or 'none'}"
-        raise PipelineValidationError([f"{file}:1:1: no such pipeline file{hint}"]) from None
+        raise PipelineValidationError([f"{file}:1:1: no such pipeline file{_missing_file_hint(path)}"]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PipelineValidationError([f"{file}:1:1: cannot read the file: {exc}"]) from None
     return load_pipeline_text(text, file, overrides, source=path.resolve(), environ=environ)

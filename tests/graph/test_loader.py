@@ -537,3 +537,15 @@ def test_memory_budget_parses_to_bytes(tmp_path):
     spec = load_pipeline(write(tmp_path, GOOD), overrides=["stages.voc.pool.memory=500MB"])
     assert spec.stages["voc"].pool.memory_bytes == 500 * 10**6
     assert spec.stages["enc"].pool.memory_bytes is None
+
+
+def test_a_missing_relative_configs_path_names_the_packaged_file(tmp_path, monkeypatch):
+    """The docs' `configs/tiny-llm.yaml`, run from another directory than the checkout."""
+    from omnistage.graph.loader import package_configs_dir
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PipelineValidationError) as err:
+        load_pipeline("configs/tiny-llm.yaml")
+    (line,) = err.value.problems
+    assert line.startswith("configs/tiny-llm.yaml:1:1: no such pipeline file in ")
+    assert f"the name 'tiny-llm' or {package_configs_dir() / 'tiny-llm.yaml'}" in line
