@@ -41,7 +41,8 @@ MAX_RESTART_FAILURES = 3
 STARTING_STOP_GRACE_S = 1.0
 # close(): how long live workers get to drain and exit before they are killed
 STOP_JOIN_S = 5.0
-BASE_PRELOAD = ["torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
+# quiet_preload first: its environment must be set before the libraries read it
+BASE_PRELOAD = ["omnistage.runtime.quiet_preload", "torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
 # Imported once by the fork server so every worker starts with them loaded (copy-on-write)
 # instead of paying seconds and its own copy each: the stage kinds in use and their libraries
 # (stages/preload.py); override with OMNISTAGE_PRELOAD="mod1,mod2" ("" for none). The last

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import uvicorn
 
+from omnistage.runtime.third_party_output import quiet_environment
 from omnistage.serving.registry import PipelineRegistry, default_config_paths
 
 log = logging.getLogger("omnistage.serving")
@@ -170,21 +171,11 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-# Environment read by transformers, diffusers and huggingface_hub in every worker process
-# (workers inherit it): their advisory warnings (diffusers' `accelerate` notice, once per
-# model load) and tqdm bars (one "Loading weights" bar per model) would otherwise interleave
-# in the server's log. The runtime's own lines say which stage is loading and when it is ready.
-QUIET_ENV = {
-    "TRANSFORMERS_VERBOSITY": "error",
-    "DIFFUSERS_VERBOSITY": "error",
-    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-}
-
-
 def quiet_third_party_output(log_level: str) -> None:
-    """Silence third-party chatter unless --log-level debug; a value the user set wins."""
+    """Silence third-party chatter in this process too (workers do it themselves,
+    runtime/third_party_output.py) unless --log-level debug, which keeps it everywhere; a value the
+    user set wins."""
     if log_level.lower() == "debug":
+        os.environ.setdefault("OMNISTAGE_QUIET", "0")
         return
-    for key, value in QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_environment()

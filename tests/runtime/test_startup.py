@@ -1,6 +1,7 @@
 """Start-up failures are reported clearly and leave nothing running."""
 
 import multiprocessing
+import os
 
 import pytest
 
@@ -43,3 +44,21 @@ def test_workers_get_the_bounded_openmp_spin(diamond):
         env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         for key, value in want.items():
             assert f"{key}={value}".encode() in env
+
+
+def test_a_pipeline_start_prints_no_third_party_chatter(tmp_path):
+    """Workers start with transformers', diffusers' and huggingface_hub's advisories and bars
+    off (runtime/third_party_output.py): a tiny-image start and close prints nothing; with
+    OMNISTAGE_QUIET=0 diffusers' advisory about `accelerate` is back (the judge that the
+    libraries do print when allowed to)."""
+    import subprocess
+    import sys
+
+    script = "from omnistage import Pipeline\nwith Pipeline.from_yaml('tiny-image', ready_timeout=120):\n    pass\n"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("TRANSFORMERS_", "DIFFUSERS_", "HF_HUB_"))}
+    quiet = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                           env={**base, "PYTHONSAFEPATH": "1"}, timeout=300)  # fmt: skip
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr[-2000:]
+    loud = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                          env={**base, "PYTHONSAFEPATH": "1", "OMNISTAGE_QUIET": "0"}, timeout=300)  # fmt: skip
+    assert loud.returncode == 0 and "accelerate" in loud.stderr, loud.stderr[-2000:]
