@@ -44,6 +44,8 @@ class TensorSpec:
     def problem(self, value: Any) -> str | None:
         """Why `value` does not match (a sentence fragment), or None when it does."""
         shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if type(value).__module__ == "numpy":  # has a shape and a dtype, but stages take torch's
+            return f"must be a torch tensor {self.describe()}, got a numpy array (torch.from_numpy makes one, no copy)"
         if shape is None or dtype is None:
             return f"must be a tensor {self.describe()}, got {type(value).__name__}"
         got = tuple(int(d) for d in shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,7 @@ def diamond():
         (torch.ones(4, 7), "must have shape [*, 8], got shape [4, 7]"),
         (torch.ones(4, 8, dtype=torch.float64), "must have dtype float32, got float64"),
         ([[1.0] * 8], "must be a tensor [*, 8] float32, got list"),
+        (np.zeros((3, 8), np.float32), "must be a torch tensor [*, 8] float32, got a numpy array"),
     ],
 )
 def test_wrong_input_is_refused_at_admission(diamond, value, problem):
