@@ -312,9 +312,18 @@ class Pipeline:
         finally:
             self._ended(rid, outbox, done)
 
-    async def generate(self, inputs: dict[str, Any], params: dict[str, dict] | None = None, **kw) -> dict[str, Any]:
+    async def generate(
+        self,
+        inputs: dict[str, Any],
+        params: dict[str, dict] | None = None,
+        *,
+        request_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> dict[str, Any]:
+        """The whole outputs, as run() returns them (`deadline_s`: seconds from now, as run()'s
+        `timeout`)."""
         chunks: dict[str, list[Any]] = {p: [] for p in self.spec.outputs}
-        agen = self.stream(inputs, params, **kw)
+        agen = self.stream(inputs, params, request_id=request_id, deadline_s=deadline_s)
         try:
             async for item in agen:
                 if item.port is not None and item.data is not None:
