@@ -113,6 +113,13 @@ def one_line_error(exc: BaseException) -> str:
     return first_line(f"{type(exc).__name__}: {exc}")
 
 
+class PipelineNotReadyError(OmnistageError, TimeoutError):
+    """A pipeline's stages were not ready within the time given (also a TimeoutError)."""
+
+    status = 503
+    code = "pipeline_not_ready"
+
+
 class PipelineClosedError(OmnistageError):
     status = 503
     code = "pipeline_closed"

@@ -26,6 +26,7 @@ from omnistage.errors import (
     InvalidRequestError,
     OverloadedError,
     PipelineClosedError,
+    PipelineNotReadyError,
     RequestCancelledError,
     WorkerDiedError,
 )
@@ -127,7 +128,7 @@ class RayDriver:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     waiting = [s for s, ok in self._health.items() if not ok]
-                    raise TimeoutError(
+                    raise PipelineNotReadyError(
                         f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})"
                     )
                 self._cond.wait(left if left is not None else 1.0)

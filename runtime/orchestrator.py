@@ -30,6 +30,7 @@ from omnistage.errors import (
     InvalidRequestError,
     OverloadedError,
     PipelineClosedError,
+    PipelineNotReadyError,
     RequestCancelledError,
     StageError,
 )
@@ -158,7 +159,7 @@ class Orchestrator:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
                     waiting = [r.name for r in self._all_replicas if not r.ready]
-                    raise TimeoutError(
+                    raise PipelineNotReadyError(
                         f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})"
                     )
                 self._cond.wait(left if left is not None else 1.0)
