@@ -62,3 +62,16 @@ def test_a_pipeline_start_prints_no_third_party_chatter(tmp_path):
     loud = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                           env={**base, "PYTHONSAFEPATH": "1", "OMNISTAGE_QUIET": "0"}, timeout=300)  # fmt: skip
     assert loud.returncode == 0 and "accelerate" in loud.stderr, loud.stderr[-2000:]
+
+
+def test_a_pipeline_not_ready_in_time_raises_pipeline_not_ready():
+    """An OmnistageError like every other failure of the API, and still a TimeoutError."""
+    from omnistage.errors import OmnistageError, PipelineNotReadyError
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+    from omnistage.tests.runtime.conftest import slow_build_yaml
+
+    with pytest.raises(PipelineNotReadyError) as info:
+        Pipeline.from_spec(load_pipeline_text(slow_build_yaml(60), "slow-build.yaml"), ready_timeout=1)
+    assert isinstance(info.value, OmnistageError) and isinstance(info.value, TimeoutError)
+    assert info.value.status == 503 and "loading" in str(info.value)
