@@ -92,7 +92,7 @@ def check_stage(name: str, key_pos: SourcePos, node: Node, report: Report, base_
         params_ok = pm is not None
         spec.params = plain(pm) if pm is not None else {}
     if cls is not None and params_ok:
-        _kind_params_and_ports(cls, spec, info, params_at, where, report)
+        _kind_params_and_ports(cls, spec, info, params_at, where, report, pm if params_node is not None else None)
     else:
         info.ok = False
 
@@ -143,14 +143,14 @@ def _stage_class(kind: str, pos: SourcePos, report: Report):
 
 
 def _kind_params_and_ports(
-    cls, spec: StageSpec, info: StageInfo, params_at: SourcePos, where: str, report: Report
+    cls, spec: StageSpec, info: StageInfo, params_at: SourcePos, where: str, report: Report, params: MapNode | None
 ) -> None:
     try:
         messages = list(cls.validate_params(dict(spec.params)) or [])
     except Exception as exc:  # noqa: BLE001
         messages = [f"validate_params raised {type(exc).__name__}: {exc}"]
     for message in messages:
-        report.add(params_at, f"{where}.params: {message}")
+        report.add(_param_pos(params, message, params_at), f"{where}.params: {message}")
     if messages:
         info.ok = False
     try:
@@ -161,6 +161,19 @@ def _kind_params_and_ports(
             report.add(
                 params_at, f"{where}.params: kind {spec.kind!r} could not derive its ports: {type(exc).__name__}: {exc}"
             )
+
+
+def _param_pos(params: MapNode | None, message: str, default: SourcePos) -> SourcePos:
+    """Where a kind's message about its params points (the kinds say which param in words):
+    the value of the param the message starts with, else the key of the first one it quotes
+    (an unknown name); else the params block."""
+    if params is None:
+        return default
+    for key, node in params.entries.items():
+        if message.startswith((f"{key} ", f"{key}:", f"{key}.")):
+            return node.pos
+    quoted = [(message.find(f"{key!r}"), key) for key in params.entries if f"{key!r}" in message]
+    return params.key_pos.get(min(quoted)[1], default) if quoted else default
 
 
 # -- model ---------------------------------------------------------------------------------

@@ -394,9 +394,20 @@ def test_model_mapping_and_relative_path(tmp_path):
     has(lines, f"{f}:9:12:", "stages.lm.model: missing required field 'source'")
 
 
-def test_validate_params_messages_at_params(tmp_path):
+def test_validate_params_messages_point_at_the_param(tmp_path):
     f, lines = problems(tmp_path, GOOD.replace("temperature: 0.5", "temperature: -1"))
-    assert lines == [f"{f}:11:5: stages.lm.params: temperature must be a number >= 0, got -1"]
+    assert lines == [f"{f}:11:27: stages.lm.params: temperature must be a number >= 0, got -1"]  # the value
+    from omnistage.graph.loader import package_configs_dir
+
+    text = (package_configs_dir() / "tiny-llm.yaml").read_text().replace("block_size:", "blok_size:")
+    row = next(i for i, line in enumerate(text.splitlines(), 1) if "blok_size:" in line)
+    col = text.splitlines()[row - 1].index("blok_size") + 1
+    path = tmp_path / "llm.yaml"
+    path.write_text(text)
+    with pytest.raises(PipelineValidationError) as info:
+        load_pipeline(path)
+    (line,) = info.value.problems
+    assert line.startswith(f"{path}:{row}:{col}: stages.llm.params: unknown ar_lm parameter 'blok_size'"), line
 
 
 def test_every_problem_is_reported_in_file_order(tmp_path):
