@@ -53,12 +53,18 @@ INTERRUPTED_RUN = """
 import os, signal, threading, time
 from omnistage.runtime.pipeline import Pipeline
 
+# Ctrl+C as in a terminal: a runner started in the background (nohup ... &, some CI launchers)
+# passes SIGINT down ignored, and this program would inherit that
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with Pipeline.from_yaml("tiny-image", ready_timeout=120) as p:
     threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
     try:  # 1000 denoiser steps: tens of seconds; an aborted request leaves at its next step
         p.run({"prompt": "a cube"}, {"denoiser": {"num_inference_steps": 1000, "width": 64, "height": 64}})
     except KeyboardInterrupt:
         print("in flight", p.num_requests(), flush=True)
+        closing = time.monotonic()
+    else:
+        print("run() was not interrupted", flush=True)
         closing = time.monotonic()
 print("closed in", round(time.monotonic() - closing, 1), flush=True)
 """
