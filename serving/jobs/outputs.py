@@ -60,6 +60,11 @@ def write_outputs(
     return record
 
 
+def output_files(outputs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every file record ({name, media_type, bytes}) of a job's stored outputs."""
+    return [f for value in outputs.values() if isinstance(value, dict) for f in value.get("files", ())]
+
+
 def output_path(directory: Path, job_id: str, name: str) -> Path | None:
     """The file `name` of job `job_id`, or None when it is absent or the name leaves the job's folder."""
     job_dir = (directory / job_id).resolve()

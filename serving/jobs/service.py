@@ -35,7 +35,7 @@ from omnistage.serving.jobs.model import (
     JobsConfig,
     JobStatus,
 )
-from omnistage.serving.jobs.outputs import delete_outputs, output_formats
+from omnistage.serving.jobs.outputs import delete_outputs, output_files, output_formats
 from omnistage.serving.jobs.scheduler import Scheduler
 from omnistage.serving.jobs.ssrf import Resolver, check_destination, needs_lookup, parse_allow_list
 from omnistage.serving.jobs.store import JobStore, open_store
@@ -91,7 +91,7 @@ class OutputNotFoundError(NotFoundError):
     code = "output_not_found"
 
     def __init__(self, job: Job, name: str):
-        names = [f["name"] for v in job.outputs.values() if isinstance(v, dict) for f in v.get("files", ())]
+        names = [f["name"] for f in output_files(job.outputs)]
         have = f"its outputs: {', '.join(names)}" if names else f"it has no output file yet (status {job.status.value})"
         super().__init__(f"Job {job.id!r} has no output {name!r}; {have}.")
         self.param = "name"

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 from omnistage.errors import InvalidRequestError
 from omnistage.serving.errors import ServiceUnavailableError
 from omnistage.serving.jobs.model import Job, JobsConfig, JobStatus
-from omnistage.serving.jobs.outputs import output_formats, output_path
+from omnistage.serving.jobs.outputs import output_files, output_formats, output_path
 from omnistage.serving.jobs.owners import owner_of
 from omnistage.serving.jobs.service import JobService, OutputNotFoundError
 from omnistage.streaming.sse import SSE_HEADERS, SSE_MEDIA_TYPE, sse_comment, sse_event
@@ -167,16 +167,7 @@ async def job_output(job_id: str, name: str, request: Request):
     service = jobs_service(request)
     job = service.get(job_id, owner_of(request))
     path = output_path(service.config.outputs_dir, job.id, name)
-    media_type = next(
-        (
-            f["media_type"]
-            for v in job.outputs.values()
-            if isinstance(v, dict)
-            for f in v.get("files", ())
-            if f["name"] == name
-        ),
-        None,
-    )
+    media_type = next((f["media_type"] for f in output_files(job.outputs) if f["name"] == name), None)
     if path is None or media_type is None:
         raise OutputNotFoundError(job, name)
     return FileResponse(path, media_type=media_type, filename=name, content_disposition_type="inline")

@@ -89,10 +89,8 @@ class TalkerSetup:
 
     @classmethod
     def load(cls, model_dir: str, voices_file: str | None) -> TalkerSetup:
-        from pathlib import Path
-
         cfg = read_config(model_dir)["talker_config"]
-        voices = torch.load(Path(voices_file or Path(model_dir) / "spk_dict.pt"), map_location="cpu", weights_only=True)
+        voices = read_voices(model_dir, voices_file)
         if not voices:
             raise ValueError(f"{model_dir}: no voices in spk_dict.pt")
         names = list(voices)
@@ -327,12 +325,16 @@ class TalkerStage(StageEngine):
         return Emission(req.request_id, outputs={**outputs, "info": info}, finished=True)
 
 
-@functools.cache
-def _voice_names_of(model_dir: str, voices_file: str | None) -> tuple[str, ...]:
+def read_voices(model_dir: str, voices_file: str | None) -> dict[str, Any]:
+    """The checkpoint's voices (spk_dict.pt beside the weights, or `voices_file`)."""
     from pathlib import Path
 
-    voices = torch.load(Path(voices_file or Path(model_dir) / "spk_dict.pt"), map_location="cpu", weights_only=True)
-    return tuple(voices)
+    return torch.load(Path(voices_file or Path(model_dir) / "spk_dict.pt"), map_location="cpu", weights_only=True)
+
+
+@functools.cache
+def _voice_names_of(model_dir: str, voices_file: str | None) -> tuple[str, ...]:
+    return tuple(read_voices(model_dir, voices_file))
 
 
 def _voice_names(stage: Any) -> tuple[str, ...]:
