@@ -25,11 +25,25 @@ _DIFFUSERS_MODELS = (
     "diffusers.models.autoencoders",
     "diffusers.schedulers",
 )
+# Module.to_empty, which the AR loader calls, imports it (about a second per worker otherwise)
+_AR_ENGINE = ("transformers", "torch.fx.experimental.symbolic_shapes")
+# Qwen2.5-Omni's towers and token2wav come from transformers' modeling module (seconds to import)
+_OMNI_MODELS = ("transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",)
+# the thinker's and the audio encoder's input processing (stages/omni/inputs.py)
+_OMNI_PROCESSOR = (
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.whisper.feature_extraction_whisper",
+)
 KIND_LIBRARIES: dict[str, tuple[str, ...]] = {
-    "ar_lm": ("transformers",),
+    "ar_lm": _AR_ENGINE,
     "text_encoder": _DIFFUSERS_MODELS,
     "denoiser": _DIFFUSERS_MODELS,
     "vae_decoder": _DIFFUSERS_MODELS,
+    "audio_encoder": _OMNI_MODELS + _OMNI_PROCESSOR,
+    "vision_encoder": _OMNI_MODELS + ("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",),
+    "thinker": _AR_ENGINE + _OMNI_PROCESSOR,
+    "talker": _AR_ENGINE,
+    "token2wav": _OMNI_MODELS,
 }
 FREEZE_MODULE = "omnistage.runtime.preload_done"
 

@@ -278,7 +278,10 @@ class DecoderModel(_Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.embedding_size)
+        # no random init: the checkpoint fills it, and a random fill on the meta device would
+        # import torch._dynamo (seconds of every worker's start)
+        shape = (cfg.vocab_size, cfg.embedding_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.input_proj = Linear(cfg.embedding_size, cfg.hidden_size, bias=True) if cfg.input_projection else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -68,3 +68,51 @@ def test_fork_server_imports_only_the_kinds_in_use():
     image = _preload_after_loading("tiny-diamond", "tiny-image")
     assert "omnistage.stages.diffusion.denoiser" in image and "diffusers.models.transformers" in image
     assert image[-1] == "omnistage.runtime.preload_done"
+
+
+# libraries that take a second or more to import: a worker that imports one after the fork
+# pays it alone, once per worker and per restart, instead of sharing the fork server's copy
+SLOW_IMPORTS = (
+    "torch._dynamo",
+    "torch.fx.experimental.symbolic_shapes",
+    "transformers.modeling_utils",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.qwen2_5_omni.modeling_qwen2_5_omni",
+    "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+    "transformers.models.whisper.feature_extraction_whisper",
+    "diffusers.models.modeling_utils",
+)
+
+_IMPORTED_BY_ENGINES = """
+import importlib, json, sys
+from omnistage.graph.loader import load_pipeline
+from omnistage.runtime.replicas import preload_modules
+from omnistage.runtime.worker import WorkerConfig, build_engine
+specs = [load_pipeline(name) for name in sys.argv[1:]]
+for module in preload_modules()[:-1]:  # what the fork server imports (the heap freeze aside)
+    importlib.import_module(module)
+shared = set(sys.modules)
+own = {}
+for spec in specs:
+    for stage in spec.stages:
+        build_engine(WorkerConfig(spec=spec, stage=stage, replica=0, device="cpu", shm_prefix="x"))
+        own[f"{spec.name}/{stage}"] = sorted(set(sys.modules) - shared)
+        shared |= set(sys.modules)
+print(json.dumps(own))
+"""
+
+
+def test_workers_import_no_slow_library_after_the_fork():
+    """Each stage kind's engine, built as a worker builds it after the fork, finds every slow
+    library already imported by the fork server."""
+    names = ["tiny-omni", "tiny-image", "tiny-llm"]
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    env.pop("OMNISTAGE_PRELOAD", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_BY_ENGINES, *names], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(own) == 9  # every stage of the three pipelines was built
+    slow = {stage: [m for m in modules if m in SLOW_IMPORTS] for stage, modules in own.items()}
+    assert not any(slow.values()), slow
