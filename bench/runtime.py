@@ -147,7 +147,7 @@ def _pipe_echo(conn) -> None:
 
 
 def pipe_hop_us(samples: int) -> list[float]:
-    from omnistage.runtime.replicas import mp_context, without_main_reimport
+    from omnistage.runtime.fork_server import mp_context, without_main_reimport
 
     ctx = mp_context()
     a, b = ctx.Pipe()

@@ -17,6 +17,7 @@ from pathlib import Path
 from omnistage.graph.interpolate import interpolate
 from omnistage.graph.nodes import Problem, parse_yaml
 from omnistage.graph.overrides import apply_overrides
+from omnistage.graph.paths import package_configs_dir, resolve_pipeline_path
 from omnistage.graph.spec import PipelineSpec, SourcePos
 from omnistage.graph.validate import build_spec
 
@@ -27,21 +28,6 @@ class PipelineValidationError(Exception):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
-
-
-def package_configs_dir() -> Path:
-    import omnistage
-
-    return Path(omnistage.__file__).parent / "configs"
-
-
-def resolve_pipeline_path(path_or_name: str | os.PathLike) -> Path:
-    """A bare name (no slash, no .yaml/.yml suffix) is looked up in the package's configs/."""
-    text = os.fspath(path_or_name)
-    is_bare = "/" not in text and os.sep not in text and not text.endswith((".yaml", ".yml"))
-    if is_bare:
-        return package_configs_dir() / f"{text}.yaml"
-    return Path(text)
 
 
 def _missing_file_hint(path: Path) -> str:

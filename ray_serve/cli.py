@@ -47,11 +47,11 @@ def ray_config_command(configs: list[str], overrides: list[str], opts: BackendOp
 def serve_on_ray(
     configs: list[str], host: str, port: int, overrides: list[str], opts: BackendOptions, log_level: str = "info"
 ) -> int:
-    from omnistage.serving.registry import default_config_paths
-    from omnistage.serving.server import quiet_third_party_output
+    from omnistage.graph.paths import default_config_paths
+    from omnistage.runtime.third_party_output import quiet_for_log_level
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO))
-    quiet_third_party_output(log_level)  # replicas inherit the driver's environment
+    quiet_for_log_level(log_level)  # replicas inherit the driver's environment
     configs = list(configs) or [str(p) for p in default_config_paths()]
     source = _checked(configs, overrides)
     if source is None:

@@ -16,20 +16,16 @@ messages and the deaths); this module owns the state, process start-up and shutd
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import multiprocessing
-import multiprocessing.spawn as mp_spawn
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.graph.spec import PipelineSpec
+from omnistage.runtime.fork_server import mp_context, without_main_reimport
 from omnistage.runtime.messages import Shutdown, send_msg
-from omnistage.runtime.openmp import apply_openmp_defaults
 from omnistage.runtime.watchdog import Health, StepClock
 from omnistage.runtime.worker import WorkerConfig, worker_main
 
@@ -41,53 +37,6 @@ MAX_RESTART_FAILURES = 3
 STARTING_STOP_GRACE_S = 1.0
 # close(): how long live workers get to drain and exit before they are killed
 STOP_JOIN_S = 5.0
-# quiet_preload first: its environment must be set before the libraries read it
-BASE_PRELOAD = ["omnistage.runtime.quiet_preload", "torch", "omnistage.runtime.worker", "omnistage.stages.generic"]
-# Imported once by the fork server so every worker starts with them loaded (copy-on-write)
-# instead of paying seconds and its own copy each: the stage kinds in use and their libraries
-# (stages/preload.py); override with OMNISTAGE_PRELOAD="mod1,mod2" ("" for none). The last
-# module freezes the fork server's heap so workers keep sharing it.
-
-
-def preload_modules() -> list[str]:
-    from omnistage.stages.preload import FREEZE_MODULE, stage_preload_modules
-
-    extra = os.environ.get("OMNISTAGE_PRELOAD")
-    mods = stage_preload_modules() if extra is None else [m.strip() for m in extra.split(",") if m.strip()]
-    return BASE_PRELOAD + [m for m in mods if m not in BASE_PRELOAD] + [FREEZE_MODULE]
-
-
-def mp_context():
-    # Stage workers share the machine's cores: bounded OpenMP spin-waiting (runtime.openmp).
-    # The fork server reads it when it imports torch, so it is set first.
-    apply_openmp_defaults()
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(preload_modules())  # only matters before the fork server starts
-    return ctx
-
-
-_start_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def without_main_reimport():
-    """Workers never need the caller's __main__: keep multiprocessing from re-running the
-    caller's script in the fork server and in each worker (so a plain script without an
-    `if __name__ == "__main__"` guard can build pipelines)."""
-    original = mp_spawn.get_preparation_data
-
-    def preparation_data(name):
-        data = original(name)
-        for key in ("init_main_from_path", "init_main_from_name", "main_path"):
-            data.pop(key, None)
-        return data
-
-    with _start_lock:
-        mp_spawn.get_preparation_data = preparation_data
-        try:
-            yield
-        finally:
-            mp_spawn.get_preparation_data = original
 
 
 class ReplicaState(enum.Enum):

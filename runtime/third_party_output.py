@@ -27,3 +27,13 @@ def quiet_environment(environ=os.environ) -> None:
         return
     for key, value in QUIET_ENV.items():
         environ.setdefault(key, value)
+
+
+def quiet_for_log_level(log_level: str) -> None:
+    """`omnistage serve`: silence third-party chatter in the serving process too, unless
+    --log-level debug, which keeps it everywhere (workers included); a value the user set wins.
+    Called before the fork server starts, which inherits this environment."""
+    if log_level.lower() == "debug":
+        os.environ.setdefault("OMNISTAGE_QUIET", "0")
+        return
+    quiet_environment()

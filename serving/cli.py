@@ -205,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             args.configs, args.host, args.port, args.overrides, _ray_options(args), args.log_level
         )
     if args.command == "serve":
+        from omnistage.graph.paths import default_config_paths
+        from omnistage.runtime.fork_server import start_for_files
+        from omnistage.runtime.third_party_output import quiet_for_log_level
+
+        # the workers' fork server imports its seconds of libraries while this process imports
+        # its own (runtime/fork_server.py); it inherits the environment set here
+        quiet_for_log_level(args.log_level)
+        start_for_files(args.configs or default_config_paths())
         from omnistage.serving.server import serve
 
         return (

@@ -27,13 +27,6 @@ STAGE_POLL_S = 0.25  # how often loading stages are checked for the per-stage lo
 PROGRESS_EVERY_S = 15.0  # a "still loading" line this often while a pipeline loads
 
 
-def default_config_paths() -> list[Path]:
-    """Every configs/tiny-*.yaml shipped in the package (the `make run` defaults)."""
-    import omnistage
-
-    return sorted((Path(omnistage.__file__).parent / "configs").glob("tiny-*.yaml"))
-
-
 @dataclass
 class PipelineEntry:
     name: str
@@ -342,4 +335,4 @@ def _close_quietly(pipeline: Any, drain_timeout: float) -> None:
         log.exception("closing pipeline %r failed", getattr(pipeline, "name", "?"))
 
 
-__all__ = ["PipelineRegistry", "PipelineEntry", "default_config_paths", "OmnistageError"]
+__all__ = ["PipelineRegistry", "PipelineEntry", "OmnistageError"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
 import sys
 import time
@@ -23,8 +22,9 @@ from pathlib import Path
 
 import uvicorn
 
-from omnistage.runtime.third_party_output import quiet_environment
-from omnistage.serving.registry import PipelineRegistry, default_config_paths
+from omnistage.graph.paths import default_config_paths
+from omnistage.runtime.third_party_output import quiet_for_log_level
+from omnistage.serving.registry import PipelineRegistry
 
 log = logging.getLogger("omnistage.serving")
 
@@ -110,7 +110,7 @@ def serve(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    quiet_third_party_output(log_level)
+    quiet_for_log_level(log_level)
     paths = list(configs) or default_config_paths()
     if not paths:
         print("omnistage serve: no pipeline configs given and no configs/tiny-*.yaml found", file=sys.stderr)
@@ -169,13 +169,3 @@ def freeze_heap() -> None:
     docs/serving.md, Lifecycle)."""
     gc.collect()
     gc.freeze()
-
-
-def quiet_third_party_output(log_level: str) -> None:
-    """Silence third-party chatter in this process too (workers do it themselves,
-    runtime/third_party_output.py) unless --log-level debug, which keeps it everywhere; a value the
-    user set wins."""
-    if log_level.lower() == "debug":
-        os.environ.setdefault("OMNISTAGE_QUIET", "0")
-        return
-    quiet_environment()

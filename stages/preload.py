@@ -16,6 +16,7 @@ workers' garbage collections do not copy those shared pages (see that module).
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 # kind -> library modules its workers import while building an engine, beyond the kind's own
 _DIFFUSERS_MODELS = (
@@ -48,11 +49,14 @@ KIND_LIBRARIES: dict[str, tuple[str, ...]] = {
 FREEZE_MODULE = "omnistage.runtime.preload_done"
 
 
-def stage_preload_modules() -> list[str]:
-    """The modules of every stage kind imported in this process, then their libraries."""
+def stage_preload_modules(kinds: Iterable[str] | None = None) -> list[str]:
+    """The modules of `kinds` (default: every stage kind imported in this process), then their
+    libraries."""
     from omnistage.stages.registry import KIND_MODULES
 
-    kinds = [kind for kind, module in KIND_MODULES.items() if module in sys.modules]
+    if kinds is None:
+        kinds = [kind for kind, module in KIND_MODULES.items() if module in sys.modules]
+    kinds = [kind for kind in kinds if kind in KIND_MODULES]
     mods = [KIND_MODULES[kind] for kind in kinds]
     for kind in kinds:
         mods.extend(KIND_LIBRARIES.get(kind, ()))

@@ -7,8 +7,10 @@ Each module registers its class with @register_stage; `get_stage_class` imports 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from omnistage.stages.base import StageEngine
+if TYPE_CHECKING:
+    from omnistage.stages.base import StageEngine
 
 # kind -> module that defines it. Add a line when you add a kind.
 KIND_MODULES: dict[str, str] = {

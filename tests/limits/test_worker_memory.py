@@ -47,7 +47,7 @@ def _preload_after_loading(*names: str) -> list[str]:
     code = (
         "import json, sys\n"
         "from omnistage.graph.loader import load_pipeline\n"
-        "from omnistage.runtime.replicas import preload_modules\n"
+        "from omnistage.runtime.fork_server import preload_modules\n"
         "for name in sys.argv[1:]:\n"
         "    load_pipeline(name)\n"
         "print(json.dumps(preload_modules()))\n"
@@ -86,7 +86,7 @@ SLOW_IMPORTS = (
 _IMPORTED_BY_ENGINES = """
 import importlib, json, sys
 from omnistage.graph.loader import load_pipeline
-from omnistage.runtime.replicas import preload_modules
+from omnistage.runtime.fork_server import preload_modules
 from omnistage.runtime.worker import WorkerConfig, build_engine
 specs = [load_pipeline(name) for name in sys.argv[1:]]
 for module in preload_modules()[:-1]:  # what the fork server imports (the heap freeze aside)
