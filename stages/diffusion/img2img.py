@@ -54,6 +54,12 @@ def image_and_mask(image: Any):
         except Exception as exc:  # noqa: BLE001 - Pillow raises several kinds
             raise InvalidRequestError(f"image: not a decodable image: {image_problem(exc)}", param="image") from None
         return img.convert("RGB"), None
+    if isinstance(image, str):  # a path or a URL is the caller's to read
+        raise InvalidRequestError(
+            "image: expected a PIL image, encoded image bytes or uint8 pixels [H, W, 3], got a string "
+            "(PIL.Image.open reads a file)",
+            param="image",
+        )
     array = image.cpu().numpy() if isinstance(image, torch.Tensor) else np.asarray(image)
     if array.ndim == 4 and array.shape[0] == 1:
         array = array[0]
