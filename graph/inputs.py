@@ -54,6 +54,8 @@ class TensorSpec:
         ):
             want = TensorSpec(shape=self.shape).describe()
             return f"must have shape {want}, got shape [{', '.join(map(str, got))}]"
+        if self.shape is not None and 0 in got:  # a declared shape's free sizes are 1 or more
+            return f"must not be empty, got shape [{', '.join(map(str, got))}]"
         name = str(dtype).removeprefix("torch.")
         if self.dtype is not None and name != self.dtype:
             return f"must have dtype {self.dtype}, got {name}"

@@ -77,6 +77,7 @@ def diamond():
     [
         (torch.ones(3), "must have shape [*, 8], got shape [3]"),
         (torch.ones(4, 7), "must have shape [*, 8], got shape [4, 7]"),
+        (torch.ones(0, 8), "must not be empty, got shape [0, 8]"),
         (torch.ones(4, 8, dtype=torch.float64), "must have dtype float32, got float64"),
         ([[1.0] * 8], "must be a tensor [*, 8] float32, got list"),
         (np.zeros((3, 8), np.float32), "must be a torch tensor [*, 8] float32, got a numpy array"),
