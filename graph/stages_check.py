@@ -313,6 +313,8 @@ def _devices(node: Node, where: str, report: Report) -> list[str]:
             hint = f" (did you mean 'cuda:{int(typo.group(1))}'?)"
         elif text.lower() in ("gpu", "cuda", "cpu"):
             hint = f" (did you mean {'cuda' if text.lower() == 'gpu' else text.lower()!r}?)"
+        elif re.fullmatch(r"cpu\s*[:_\- ]?\s*[0-9]+", text, re.I):  # one CPU device: threads set its cores
+            hint = " (did you mean 'cpu'? pool.threads sets how many cores a replica uses)"
         report.add(pos, f"{where}: malformed device {text!r}; expected cpu, cuda or cuda:N{hint}")
     return devices if len(devices) == len(items) else []
 

@@ -142,6 +142,12 @@ class Param:
                 text += (" each " if self.type == "integer_list" else " ") + bounds
         return text + (" or null" if self.nullable else "")
 
+    def _closest_choice(self, value: Any) -> str:
+        if not isinstance(value, str):
+            return ""
+        close = difflib.get_close_matches(value, [c for c in self.choices if isinstance(c, str)], n=1)
+        return f" (did you mean {close[0]!r}?)" if close else ""
+
     def _in_range(self, x: float) -> bool:
         lo, hi = self.minimum, self.maximum
         if lo is not None and (x <= lo if self.exclusive_minimum else x < lo):
@@ -155,7 +161,7 @@ class Param:
         if not _TYPE_CHECKS[self.type](value):
             return f"{self.name} must be {self.expected()}, got {_show(value)}"
         if self.choices is not None and value not in self.choices:
-            return f"{self.name} must be {self.expected()}, got {_show(value)}"
+            return f"{self.name} must be {self.expected()}, got {_show(value)}{self._closest_choice(value)}"
         if self.minimum is not None or self.maximum is not None:
             items = value if self.type == "integer_list" else (value,)
             if not all(map(self._in_range, items)):

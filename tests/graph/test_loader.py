@@ -352,6 +352,8 @@ def test_malformed_device_names(tmp_path):
     has(lines, f"{f}:14:33:", "malformed device 'cuda:x'")
     f, lines = problems(tmp_path, GOOD.replace("devices: [cpu]", 'devices: "cuda:0, cuda1"'))
     has(lines, f"{f}:14:30:", "malformed device 'cuda1'", "(did you mean 'cuda:1'?)")
+    f, lines = problems(tmp_path, GOOD.replace("devices: [cpu]", "devices: [cpu:0]"))
+    has(lines, f"{f}:14:22:", "malformed device 'cpu:0'", "(did you mean 'cpu'? pool.threads sets how many cores")
     # A GPU pipeline validates on this CPU machine: device existence is checked at start.
     spec = load_pipeline(write(tmp_path, GOOD.replace("devices: [cpu]", 'devices: "cuda:0, cuda:7"')))
     assert spec.stages["voc"].pool.devices == ["cuda:0", "cuda:7"]

@@ -153,3 +153,18 @@ def test_admission_refuses_what_the_stage_would_before_any_worker_runs():
         with pytest.raises(InvalidRequestError) as refused:
             check_params(spec, params)
         assert refused.value.param == param, (params, refused.value)
+
+
+def test_a_misspelt_choice_is_answered_with_the_closest_one():
+    seen = 0
+    for _kind, _side, params in _all_param_sets():
+        for p in params:
+            for choice in [c for c in p.choices or () if isinstance(c, str) and len(c) >= 4]:
+                typo = choice[:2] + choice[3:]  # one letter dropped, as `stak` for `stack`
+                if typo in p.choices:
+                    continue
+                message = p.problem(typo)
+                hint = message.split(" (did you mean ", 1)[1]
+                assert hint.rstrip("?)").strip("'") in p.choices, message
+                seen += 1
+    assert seen > 5  # the generic kinds' `batch`, the samplers, the output formats, ...
