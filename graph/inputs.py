@@ -72,13 +72,17 @@ def check_inputs(spec: Any, inputs: Mapping[str, Any]) -> None:
                 raise InvalidRequestError(f"input {port!r} {problem}", param=f"inputs.{port}")
 
 
-def check_params(spec: Any, params: Mapping[str, Any]) -> None:
+def check_params(spec: Any, params: Mapping[str, Any], *, queued: bool = False) -> None:
     """Refuse per-request params for unknown stages, a stage's params that are not a dict,
     and what its stage kind's declaration refuses (an unknown key, a value out of range, a
     rule across values; over the stage's YAML request_defaults, as the stage sees them):
-    InvalidRequestError naming the key. The stage checks again with what only it knows (an
-    instance's narrower set, its model's limits); this part any process can answer at once,
-    so a job with bad params is refused when it is submitted instead of failing later."""
+    InvalidRequestError naming the stage and the key. The stage checks again with what only it
+    knows (an instance's narrower set, its model's limits); this part any process can answer at
+    once, so a job with bad params is refused when it is submitted instead of failing later.
+
+    queued: also each kind's own checks from the stage's spec and checkpoint files
+    (StageEngine.check_queued; e.g. a size beyond what the diffusion model covers), for a queue
+    in front of a ready pipeline (the jobs API, a realtime session's settings)."""
     from omnistage.stages.registry import get_stage_class
 
     bad = set(params) - set(spec.stages)
@@ -97,29 +101,14 @@ def check_params(spec: Any, params: Mapping[str, Any]) -> None:
                 f"params for stage {stage!r}: every parameter name must be a non-empty string", param=f"params.{stage}"
             )
         try:
-            declared = get_stage_class(spec.stages[stage].kind).request_params
+            kind = get_stage_class(spec.stages[stage].kind)
         except KeyError:  # a kind registered only in the workers (a built object): they check
             continue
+        merged = {**(spec.stages[stage].request_defaults or {}), **values}
         try:
-            declared.validate({**(spec.stages[stage].request_defaults or {}), **values})
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(f"stage {stage!r}: {exc}", param=exc.param) from None
-
-
-def check_queued_params(spec: Any, params: Mapping[str, Any]) -> None:
-    """What check_params cannot know: each stage kind's own checks of its params from the
-    stage's spec and checkpoint files (StageEngine.check_queued; e.g. a size beyond what the
-    diffusion model covers). For a queue in front of a ready pipeline (the jobs API), after
-    check_params passed; InvalidRequestError naming the stage and the param."""
-    from omnistage.stages.registry import get_stage_class
-
-    for stage, values in params.items():
-        try:
-            kind = get_stage_class(spec.stages[stage].kind)
-        except KeyError:
-            continue
-        try:
-            kind.check_queued(spec.stages[stage], {**(spec.stages[stage].request_defaults or {}), **values})
+            kind.request_params.validate(merged)
+            if queued:
+                kind.check_queued(spec.stages[stage], merged)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"stage {stage!r}: {exc}", param=exc.param) from None
 

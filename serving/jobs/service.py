@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from omnistage.errors import InvalidRequestError, NotFoundError, OmnistageError
-from omnistage.graph.inputs import check_params, check_queued_params
+from omnistage.graph.inputs import check_params
 from omnistage.serving.errors import ModelNotFoundError
 from omnistage.serving.jobs.admission import SubmitBatcher
 from omnistage.serving.jobs.changes import ChangeSignal
@@ -201,9 +201,8 @@ class JobService:
         spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
         if spec is not None:
             _to_inputs(spec, inputs)
-            check_params(spec, params)
-            if entry.is_ready():  # its checkpoint is on disk: what the stages would refuse, now
-                check_queued_params(spec, params)
+            # once it is ready its checkpoint is on disk: what the stages would refuse, now
+            check_params(spec, params, queued=entry.is_ready())
             output_formats(spec, output_format)
 
     def _check_webhook(self, webhook: dict) -> dict:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from omnistage.errors import OmnistageError
-from omnistage.graph.inputs import check_queued_params
+from omnistage.graph.inputs import check_params
 from omnistage.serving.realtime import events as ev
 from omnistage.serving.realtime.audio import AudioDataError, decode_b64
 from omnistage.serving.realtime.buffer import MAX_BUFFER_S, MIN_COMMIT_MS, InputBuffer
@@ -123,7 +123,7 @@ class RealtimeSession:
         if voice is None or not stages:
             return
         try:
-            check_queued_params(self.served.spec, self.served.stage_params({"voice": voice}, stages))
+            check_params(self.served.spec, self.served.stage_params({"voice": voice}, stages), queued=True)
         except OmnistageError as exc:
             output = (session.get("audio") or {}).get("output") or {}
             param = "session.audio.output.voice" if "voice" in output else "session.voice"

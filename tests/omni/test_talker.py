@@ -279,12 +279,12 @@ def test_queued_voice_check_refuses_only_voices_the_checkpoint_lacks(omni_dir):
     """What the jobs API and realtime session.update ask before queueing: a voice the
     checkpoint's spk_dict.pt lacks is refused naming the voices; none or "" is the default."""
     from omnistage.errors import InvalidRequestError
-    from omnistage.graph.inputs import check_queued_params
+    from omnistage.graph.inputs import check_params
     from omnistage.graph.loader import load_pipeline
 
     spec = load_pipeline("tiny-omni")
     for ok in ({}, {"voice": None}, {"voice": ""}, {"voice": "Ethan"}, {"voice": "Chelsie"}):
-        check_queued_params(spec, {"talker": ok})
+        check_params(spec, {"talker": ok}, queued=True)
     with pytest.raises(InvalidRequestError) as err:
-        check_queued_params(spec, {"talker": {"voice": "alloy"}})
+        check_params(spec, {"talker": {"voice": "alloy"}}, queued=True)
     assert err.value.param == "voice" and "Chelsie" in str(err.value) and "Ethan" in str(err.value)
