@@ -151,7 +151,9 @@ class Orchestrator:
                 failed = [r for r in self._all_replicas if r.start_failed]
                 if failed:
                     r = failed[0]
-                    raise StageError(r.stage, f"replica {r.index} failed to start: {r.error}")
+                    pos = self.spec.stages[r.stage].pos  # the stage's place in the file, as YAML errors give it
+                    where = f" (stage defined at {pos})" if pos is not None else ""
+                    raise StageError(r.stage, f"replica {r.index} failed to start: {r.error}{where}")
                 if self.ready:
                     return
                 if self.closed:

@@ -58,6 +58,7 @@ class Recovery:
         (unless the pipeline is stopping, its first start failed, or restarts gave up)."""
         self._read_last_messages(r)  # what it sent before dying still counts
         how = r.health.killed_for or exit_description(r.proc)
+        reported = r.start_failed  # it said why it could not start (logged then): its exit adds nothing
         was_ready = r.mark_down()
         r.last_stats = {}  # the dead process's figures no longer describe anything
         r.close_conn()
@@ -70,7 +71,8 @@ class Recovery:
         self.dead_segments.add(segment_prefix(pool, r.proc.pid), self.router.requests)
         if stopping:
             return
-        log.warning("omnistage: %s (pid %s) died (%s)", r.name, r.pid, how)
+        if not reported:
+            log.warning("omnistage: %s (pid %s) died (%s)", r.name, r.pid, how)
         after = r.after_death(how, was_ready)
         if after is AfterDeath.START_FAILED:
             self.cond.notify_all()

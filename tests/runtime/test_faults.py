@@ -23,7 +23,8 @@ def one_stage(factory: str, kwargs: str = "{}", name: str = "faulty") -> str:
     return one_stage_yaml(factory, name=name, kwargs=kwargs, pass_params=False)
 
 
-def test_constructor_that_raises_fails_the_start_with_its_message():
+def test_constructor_that_raises_fails_the_start_with_its_message(caplog):
+    caplog.set_level(logging.WARNING, logger="omnistage.runtime")
     spec = load_pipeline_text(
         one_stage("omnistage.tests.runtime.fault_modules:RaisesInConstructor", "{message: weights are corrupt}"),
         "f.yaml",
@@ -33,6 +34,12 @@ def test_constructor_that_raises_fails_the_start_with_its_message():
         Pipeline.from_spec(spec)
     assert "s" in str(info.value) and "failed to start" in str(info.value)
     assert time.monotonic() - t0 < 60  # reported, not waited out
+    # where the stage is in the file, as a YAML error would say it
+    assert str(info.value).endswith(f"(stage defined at {spec.stages['s'].pos})")
+    assert str(spec.stages["s"].pos).startswith("f.yaml:")
+    # the log has the worker's traceback (the exception's message is one line)
+    logged = [r.getMessage() for r in caplog.records if r.name == "omnistage.runtime"]
+    assert any("failed to start" in m and "Traceback" in m for m in logged), logged
 
 
 def test_restarts_that_keep_failing_give_up_and_fail_requests(tmp_path, caplog):
