@@ -14,6 +14,7 @@ frame rate, rounded to the 4k+1 frames the Wan VAE takes. A video's id is its jo
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -80,8 +81,8 @@ def _generation(seconds: Any, size: Any) -> dict[str, Any]:
             value = float(seconds)
         except ValueError:
             raise InvalidRequestError(f"seconds must be a number, not {seconds!r}", param="seconds") from None
-        if not value > 0:
-            raise InvalidRequestError("seconds must be positive", param="seconds")
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidRequestError(f"seconds must be a positive number, not {seconds!r}", param="seconds")
         generation["num_frames"] = 4 * max(1, round(value * DEFAULT_FPS / 4)) + 1
     return generation
 

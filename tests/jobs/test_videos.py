@@ -74,6 +74,10 @@ def test_video_errors(video_server):
     with pytest.raises(openai.BadRequestError) as err:
         client.videos.create(model="tiny-video", prompt="x", seconds="100", size="32x32")
     assert err.value.body["param"] == "seconds" and "frames" in err.value.body["message"]
+    for seconds in ("inf", "nan", "-1", "0"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.videos.create(model="tiny-video", prompt="x", seconds=seconds, size="32x32")
+        assert err.value.body["param"] == "seconds" and "positive number" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         client.videos.create(model="tiny-video", prompt="x", size="720x1280")
     assert err.value.body["param"] == "size"
