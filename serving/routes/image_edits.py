@@ -4,7 +4,7 @@ port: image-to-image through the same pipeline as /v1/images/generations.
 The uploaded image (png, jpeg or webp) is decoded to pixels and sent to the `image_in` port;
 the denoiser encodes it with the VAE, noises it to `strength` (extra field, diffusers' name,
 default 0.6) and denoises from there (stages/diffusion/img2img.py). `size` defaults to the
-image's own size. A `mask` (a PNG of the image's size whose transparent pixels mark what to
+image's own size, rounded down (and scaled down, aspect kept) into the sizes the model makes. A `mask` (a PNG of the image's size whose transparent pixels mark what to
 repaint, as OpenAI documents it) becomes the alpha channel of the pixels sent: the denoiser
 then inpaints (keeps the latents outside the mask). The answer is the generations route's
 (b64_json or url, or SSE events named image_edit.* with stream: true). Not served (400
@@ -99,6 +99,19 @@ async def _with_mask(pixels: np.ndarray, mask: UploadFile) -> np.ndarray:
     return np.concatenate([pixels, alpha[..., None]], axis=-1)
 
 
+def _output_size(served, height: int, width: int) -> dict[str, int]:
+    """The input image's size, scaled down (aspect kept) and rounded down into the sizes the
+    model makes, as diffusers' img2img pipelines round it: any input image can be edited."""
+    from omnistage.stages.diffusion.limits import stage_model_limits
+
+    for stage in served.spec.stages.values():
+        limits = stage_model_limits(stage) if stage.kind == "denoiser" else None
+        if limits is not None:
+            height, width = limits.sizes.fit(height, width)
+            break
+    return {"width": width, "height": height}
+
+
 @router.post(
     "/v1/images/edits",
     response_model=ImagesResponse,
@@ -123,7 +136,7 @@ async def edit_images(body: Annotated[ImageEditRequest, Form()], request: Reques
     pixels = await _pixels(uploads[0])
     if body.mask is not None:
         pixels = await _with_mask(pixels, body.mask)
-    size = {} if body.size not in (None, "auto") else {"width": pixels.shape[1], "height": pixels.shape[0]}
+    size = {} if body.size not in (None, "auto") else _output_size(served, *pixels.shape[:2])
     params = served.stage_params(generation_fields(body, strength=body.strength, **size))
     inputs = {served.port("prompt"): body.prompt, served.port("image_in"): torch.from_numpy(pixels.copy())}
     job = ImageJob(

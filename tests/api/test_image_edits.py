@@ -118,6 +118,19 @@ def test_edit_equals_diffusers_img2img(client, init_png, img2img_reference):
     assert np.abs(weaker[0].astype(int) - ours[0].astype(int)).max() > 8  # strength reaches the denoiser
 
 
+@pytest.mark.parametrize(("given", "made"), [((50, 30), (48, 28)), ((1000, 600), (256, 152))])
+def test_any_input_size_is_edited_at_the_nearest_size_the_model_makes(client, given, made):
+    """As diffusers' img2img rounds an image's size down to its multiples: 50x30 becomes 48x28
+    (multiples of 4), and 1000x600 is scaled into the tiny model's 256 pixels, aspect kept."""
+    pixels = np.random.default_rng(1).integers(0, 256, (given[1], given[0], 3), dtype=np.uint8)
+    reply = client.images.edit(
+        model="tiny-image", image=("in.png", _png(pixels), "image/png"), prompt=PROMPT,
+        extra_body={"seed": 1, "num_inference_steps": 2},
+    )  # fmt: skip
+    assert reply.size == f"{made[0]}x{made[1]}"
+    assert _decoded(reply.data[0]).shape == (made[1], made[0], 3)
+
+
 def test_streamed_edit_sends_image_edit_events(client, init_png):
     events = list(
         client.images.edit(
