@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.media import DEFAULT_SAMPLE_RATE
@@ -50,6 +50,13 @@ class SpeechRequest(OpenAIRequest):
     stream_format: Literal["sse", "audio"] = "audio"
     # extra
     seed: int | None = Field(default=None, description="seed of the speech stages (same seed, same audio)")
+
+    @field_validator("input")
+    @classmethod
+    def _some_text(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("input has nothing to say: it is only whitespace")
+        return value
 
     @property
     def voice_name(self) -> str:

@@ -167,6 +167,7 @@ def test_speed_changes_duration_not_pitch(omni, python_speech, speed):
         ({"model": "tiny-llm"}, 400, "model"),  # served, but not a speech model
         ({"speed": 5}, 400, "speed"),
         ({"input": "x" * 4097}, 400, "input"),
+        ({"input": "  \n "}, 400, "input"),  # nothing to say (the thinker's port is not the field)
     ],
 )
 def test_refusals_name_the_field(omni_server, extra, status, param):
