@@ -73,28 +73,38 @@ def without_main_reimport():
             mp_spawn.get_preparation_data = original
 
 
-def kinds_in_files(paths: Iterable[str | Path]) -> list[str] | None:
-    """The known stage kinds the pipeline files name, read as plain YAML without validation;
-    None when a file does not read that way (the normal start, after validation, takes over)."""
-    import yaml
-
+def kinds_in_files(paths: Iterable[str | Path], overrides: Iterable[str] = ()) -> list[str] | None:
+    """The known stage kinds the pipeline files name, read as plain YAML without validation.
+    None when that reading cannot be trusted: a file that is not a regular file (a pipe is read
+    once, by the loader), does not parse, names a kind through ${VAR}, or an override that sets
+    a kind. The normal start, after validation, then takes over."""
     from omnistage.graph.paths import resolve_pipeline_path
     from omnistage.stages.registry import KIND_MODULES
 
+    if any("kind" in str(o) for o in overrides):  # --set stages.x.kind=..., or a whole stage
+        return None
     kinds: list[str] = []
     for path in paths:
         try:
-            stages = yaml.safe_load(resolve_pipeline_path(path).read_text())["stages"]
-            kinds += [stage["kind"] for stage in stages.values()]
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+            file = resolve_pipeline_path(path)
+            if not file.is_file():
+                return None
+            from ruamel.yaml import YAML
+
+            stages = YAML(typ="safe", pure=True).load(file.read_text())["stages"]
+            named = [stage["kind"] for stage in stages.values()]
+        except Exception:  # noqa: BLE001 - only a speed-up: the loader reports what is wrong
             return None
+        if not all(isinstance(kind, str) and "${" not in kind for kind in named):
+            return None
+        kinds += named
     return [kind for kind in dict.fromkeys(kinds) if kind in KIND_MODULES]
 
 
-def start_for_files(paths: Iterable[str | Path]) -> bool:
+def start_for_files(paths: Iterable[str | Path], overrides: Iterable[str] = ()) -> bool:
     """Start the fork server now, preloading the kinds these pipeline files name. Returns
-    whether it was started (not when a file cannot be read as plain YAML)."""
-    kinds = kinds_in_files(paths)
+    whether it was started (not when kinds_in_files cannot tell them)."""
+    kinds = kinds_in_files(paths, overrides)
     if not kinds:
         return False
     mp_context(kinds)

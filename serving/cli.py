@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         # the workers' fork server imports its seconds of libraries while this process imports
         # its own (runtime/fork_server.py); it inherits the environment set here
         quiet_for_log_level(args.log_level)
-        start_for_files(args.configs or default_config_paths())
+        start_for_files(args.configs or default_config_paths(), args.overrides)
         from omnistage.serving.server import serve
 
         return (

@@ -1,10 +1,10 @@
 """What the worker fork server imports: the stage kinds this process uses, and their libraries.
 
-Every stage worker is forked from one fork server (runtime/replicas.py). What the fork server
+Every stage worker is forked from one fork server (runtime/fork_server.py). What the fork server
 imported, each worker shares copy-on-write; what a worker imports after the fork is its own
-copy. So the fork server imports the modules of the stage kinds in use — the kinds whose
-module this process has imported, which loading a pipeline file does for every kind it
-names — plus the library modules those kinds' workers import while building their engines
+copy. So the fork server imports the modules of the stage kinds in use — those `omnistage
+serve` read from its files before starting it, or else the kinds whose module this process
+has imported, which loading a pipeline file does for every kind it names — plus the library modules those kinds' workers import while building their engines
 (diffusers' model classes are loaded lazily, on first attribute access, so `import
 diffusers` alone shares almost nothing). A kind no pipeline uses costs nothing: an LLM-only
 or torch_module-only server never imports diffusers.

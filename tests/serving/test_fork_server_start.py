@@ -56,3 +56,26 @@ def test_kinds_are_read_from_the_files_without_validation(tmp_path):
         bad.write_text(text)
         assert kinds_in_files(["tiny-llm", bad]) is None  # the normal start reports the file's errors
     assert kinds_in_files([tmp_path / "missing.yaml"]) is None
+    # what only the loader can tell: the early start steps aside
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("name: x\nstages:\n  a: {kind: [ar_lm]}\n")
+    by_var = tmp_path / "by_var.yaml"
+    by_var.write_text("name: x\nstages:\n  a: {kind: '${K:-ar_lm}'}\n")
+    bad_date = tmp_path / "bad_date.yaml"
+    bad_date.write_text("name: x\ndescription: 2020-13-45\nstages:\n  a: {kind: ar_lm}\n")
+    for path in (listed, by_var, bad_date, tmp_path):  # (a folder is not a file)
+        assert kinds_in_files(["tiny-llm", path]) is None
+    assert kinds_in_files(["tiny-llm"], ["stages.llm.kind=torch_module"]) is None
+    assert kinds_in_files(["tiny-llm"], ["stages.llm.pool.threads=2"]) == ["ar_lm"]
+
+
+def test_a_piped_config_is_read_once_by_the_loader(tmp_path):
+    """A pipe can be read once: the early start leaves it to the loader (`serve <(...)`)."""
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as w:
+        w.write(Path(__file__).parents[2].joinpath("configs", "tiny-llm.yaml").read_text())
+    try:
+        assert kinds_in_files([f"/dev/fd/{read_end}"]) is None
+        assert "stages:" in os.read(read_end, 1 << 16).decode()  # still unread
+    finally:
+        os.close(read_end)
