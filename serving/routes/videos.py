@@ -1,6 +1,8 @@
 """OpenAI's video API as a thin shape over jobs (docs/jobs.md, "OpenAI's /v1/videos").
 
-POST   /v1/videos                  form or JSON: prompt, model?, seconds?, size? -> a video job
+POST   /v1/videos                  form or JSON: prompt, model?, seconds?, size? (and the extra
+                                   seed, negative_prompt, num_inference_steps, guidance_scale)
+                                   -> a video job
 GET    /v1/videos                  newest first: ?limit, ?after
 GET    /v1/videos/{id}             status queued | in_progress | completed | failed, integer progress
 GET    /v1/videos/{id}/content     ?variant=video (MP4, range requests) | thumbnail (WebP of frame 0)
@@ -31,7 +33,14 @@ from omnistage.serving.routes.jobs import jobs_service
 
 router = APIRouter(tags=["videos"])
 
-FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
+# extra fields (not OpenAI's), as /v1/images takes them: what makes a video reproducible
+EXTRA_FIELDS: dict[str, type] = {
+    "seed": int,
+    "negative_prompt": str,
+    "num_inference_steps": int,
+    "guidance_scale": float,
+}
+FIELDS = ("prompt", "model", "seconds", "size", "input_reference", *EXTRA_FIELDS)
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -87,6 +96,24 @@ def _generation(seconds: Any, size: Any) -> dict[str, Any]:
     return generation
 
 
+def _extras(body: dict[str, Any]) -> dict[str, Any]:
+    """The extra fields given; a form's text becomes the field's type (JSON's values are checked
+    by the stages that take them)."""
+    extras = {}
+    for name, kind in EXTRA_FIELDS.items():
+        value = body.get(name)
+        if isinstance(value, str) and kind is not str:
+            try:
+                value = kind(value)
+            except ValueError:
+                raise InvalidRequestError(
+                    f"{name} must be a number ({kind.__name__}), not {value!r}", param=name
+                ) from None
+        if value is not None:
+            extras[name] = value
+    return extras
+
+
 def video_json(service: JobService, job: Job) -> dict[str, Any]:
     status = {JobStatus.CANCELED: "failed"}.get(job.status, job.status.value)
     error = job.error
@@ -132,7 +159,7 @@ async def create_video(request: Request):
     name, spec, port = _video_pipeline(request, body.get("model"))
     from omnistage.stages.diffusion import stage_params
 
-    generation = _generation(body.get("seconds"), body.get("size"))
+    generation = {**_generation(body.get("seconds"), body.get("size")), **_extras(body)}
     try:
         job, _, _ = await service.submit(
             model=name,

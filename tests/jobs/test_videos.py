@@ -62,6 +62,22 @@ def test_create_poll_download_decode_delete(video_server):
         client.videos.retrieve(video.id)
 
 
+def test_a_seed_makes_a_video_reproducible(video_server):
+    """The extra fields (seed, num_inference_steps, ...) reach the stages, as form fields too."""
+    client = openai.OpenAI(base_url=f"{video_server.url}/v1", api_key="unused", max_retries=0)
+
+    def frames(seed: str) -> np.ndarray:
+        extra = {"seed": seed, "num_inference_steps": "2", "negative_prompt": "blurry"}
+        video = client.videos.create(model="tiny-video", prompt="a cat", seconds="0.25", size="32x32", extra_body=extra)
+        assert client.videos.poll(video.id, poll_interval_ms=100).status == "completed"
+        return np.stack(_frames(client.videos.download_content(video.id).read()))
+
+    first, again, other = frames("5"), frames("5"), frames("6")
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    r = httpx.post(f"{video_server.url}/v1/videos", data={"prompt": "x", "seed": "1.5"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
 def test_video_errors(video_server):
     client = openai.OpenAI(base_url=f"{video_server.url}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError) as err:
