@@ -1,11 +1,13 @@
 """/v1/models in the OpenAI list format: one model per hosted pipeline, with the API families
-it serves (its YAML's `serves:`) and their input/output modalities."""
+it serves (its YAML's `serves:`, and `videos` for what /v1/videos takes) and their
+input/output modalities."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from omnistage.serving.errors import ModelNotFoundError
+from omnistage.serving.routes.videos import video_port
 
 router = APIRouter(tags=["models"])
 
@@ -13,14 +15,17 @@ router = APIRouter(tags=["models"])
 def _model_card(entry) -> dict:
     spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
     serves = getattr(spec, "serves", None) or {}
+    modalities = {family: s.modalities for family, s in serves.items()}
+    if video_port(spec) is not None:  # /v1/videos needs no `serves:` entry
+        modalities["videos"] = {"input": ["text"], "output": ["video"]}
     return {
         "id": entry.name,
         "object": "model",
         "created": entry.created,
         "owned_by": "omnistage",
         "ready": entry.is_ready(),
-        "serves": list(serves),
-        "modalities": {family: s.modalities for family, s in serves.items()},
+        "serves": list(modalities),
+        "modalities": modalities,
     }
 
 

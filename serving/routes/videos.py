@@ -54,15 +54,22 @@ async def _body(request: Request) -> dict[str, Any]:
     return {key: form.get(key) for key in form.keys()}
 
 
+def video_port(spec: Any) -> str | None:
+    """The video output of a pipeline /v1/videos serves (a `prompt` text input and one video
+    output), or None."""
+    ports = [p for p, t in spec.outputs.items() if t == "video"] if spec is not None else []
+    return ports[0] if len(ports) == 1 and spec.inputs.get("prompt") == "text" else None
+
+
 def _video_pipeline(request: Request, model: str | None) -> tuple[str, Any, str]:
     """(name, spec, video port) of the pipeline `model` names (default: the only video one)."""
     registry = request.app.state.registry
     candidates = []
     for entry in registry.entries():
         spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
-        ports = [p for p, t in spec.outputs.items() if t == "video"] if spec is not None else []
-        if len(ports) == 1 and spec.inputs.get("prompt") == "text":
-            candidates.append((entry.name, spec, ports[0]))
+        port = video_port(spec)
+        if port is not None:
+            candidates.append((entry.name, spec, port))
     if model is None:
         if len(candidates) != 1:
             raise InvalidRequestError(

@@ -80,6 +80,8 @@ def test_a_seed_makes_a_video_reproducible(video_server):
 
 def test_video_errors(video_server):
     client = openai.OpenAI(base_url=f"{video_server.url}/v1", api_key="unused", max_retries=0)
+    card = httpx.get(f"{video_server.url}/v1/models/tiny-video", timeout=30).json()
+    assert card["serves"] == ["videos"] and card["modalities"]["videos"] == {"input": ["text"], "output": ["video"]}
     with pytest.raises(openai.NotFoundError) as err:
         client.videos.create(model="sora-2", prompt="x")
     assert err.value.body["param"] == "model"
