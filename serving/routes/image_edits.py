@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 
 import numpy as np
 import torch
-from fastapi import APIRouter, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, Form, Request, UploadFile
 from pydantic import ConfigDict, Field
 
 from omnistage.errors import InvalidRequestError
@@ -112,8 +112,20 @@ def _output_size(served, height: int, width: int) -> dict[str, int]:
     return {"width": width, "height": height}
 
 
+def _multipart(request: Request) -> None:
+    """A JSON body would be read as an empty form ("model: Field required" for a model that was
+    sent): say what the route takes instead, before the form is parsed."""
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+        raise invalid(
+            "/v1/images/edits takes multipart/form-data: the image as a file, the other fields as "
+            "form fields (the openai client sends it so)",
+            None,
+        )
+
+
 @router.post(
     "/v1/images/edits",
+    dependencies=[Depends(_multipart)],
     response_model=ImagesResponse,
     responses={200: {"content": {"text/event-stream": {}}}},
     # FastAPI documents a form model with files as urlencoded; the upload needs multipart

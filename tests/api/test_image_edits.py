@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -181,3 +182,9 @@ def test_unservable_edits_name_the_field(client, init_png, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.images.edit(**args)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_a_json_edit_is_told_the_route_takes_multipart(api_server):
+    body = {"model": "tiny-image", "prompt": PROMPT, "image": "data:image/png;base64,AAAA"}
+    r = httpx.post(api_server.url + "/v1/images/edits", json=body, timeout=60)
+    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"], r.text
