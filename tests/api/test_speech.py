@@ -168,6 +168,7 @@ def test_speed_changes_duration_not_pitch(omni, python_speech, speed):
         ({"speed": 5}, 400, "speed"),
         ({"input": "x" * 4097}, 400, "input"),
         ({"input": "  \n "}, 400, "input"),  # nothing to say (the thinker's port is not the field)
+        ({"input": "ab, cd. " * 511}, 400, "input"),  # within 4096 characters, past the context
     ],
 )
 def test_refusals_name_the_field(omni_server, extra, status, param):
