@@ -121,6 +121,23 @@ def _extras(body: dict[str, Any]) -> dict[str, Any]:
     return extras
 
 
+def _shown_size(name: str, spec: Any, body: dict[str, Any], service: JobService) -> dict[str, Any]:
+    """`seconds` and `size` as the video object shows them: as asked, or else the model's
+    defaults (None when its checkpoint is not on disk yet)."""
+    from omnistage.stages.diffusion.limits import stage_model_limits
+
+    seconds, size = body.get("seconds"), body.get("size")
+    if seconds is None or size is None:
+        denoisers = [s for s in spec.stages.values() if s.kind == "denoiser"]
+        entry = service.registry.entry(name)
+        limits = stage_model_limits(denoisers[0]) if denoisers and entry is not None and entry.is_ready() else None
+        if limits is not None:
+            d = limits.defaults
+            seconds = seconds if seconds is not None else f"{((d.num_frames or 1) - 1) / DEFAULT_FPS:g}"
+            size = size if size is not None else f"{d.width}x{d.height}"
+    return {"seconds": seconds, "size": size}
+
+
 def video_json(service: JobService, job: Job) -> dict[str, Any]:
     status = {JobStatus.CANCELED: "failed"}.get(job.status, job.status.value)
     error = job.error
@@ -173,7 +190,7 @@ async def create_video(request: Request):
             inputs={"prompt": prompt},
             params=stage_params(spec, generation),
             webhook=None,
-            metadata={"prompt": prompt, "seconds": body.get("seconds"), "size": body.get("size"), "port": port},
+            metadata={"prompt": prompt, **_shown_size(name, spec, body, service), "port": port},
             priority=0,
             output_format={port: "mp4"},
             idempotency_key=request.headers.get("idempotency-key"),

@@ -73,6 +73,12 @@ def test_a_seed_makes_a_video_reproducible(video_server):
         return np.stack(_frames(client.videos.download_content(video.id).read()))
 
     first, again, other = frames("5"), frames("5"), frames("6")
+    # no size or seconds asked: the video shows the model's (tiny-wan: 32x32, 9 frames at 16 fps)
+    shown = client.videos.create(model="tiny-video", prompt="a cat", extra_body={"num_inference_steps": 1})
+    assert (shown.size, shown.seconds) == ("32x32", "0.5")
+    assert (
+        len(_frames(client.videos.download_content(client.videos.poll(shown.id, poll_interval_ms=100).id).read())) == 9
+    )
     assert np.array_equal(first, again) and not np.array_equal(first, other)
     r = httpx.post(f"{video_server.url}/v1/videos", data={"prompt": "x", "seed": "1.5"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
