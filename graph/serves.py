@@ -78,6 +78,7 @@ FAMILIES: dict[str, Family] = {
                 "image": Role("outputs", ("image",), doc="output port with the images [n, H, W, 3]"),
                 "image_in": Role("inputs", ("image",), False, "input port taking /v1/images/edits' image"),
                 "preview": Role("outputs", ("image",), False, "output port streaming partial images"),
+                "warnings": Role("outputs", ("json",), False, "output port with notices such as a truncated prompt"),
             },
             ("text",),
             ("image",),

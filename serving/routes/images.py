@@ -73,6 +73,7 @@ class ImagesResponse(BaseModel):
     output_format: str
     size: str | None = None
     quality: str | None = None
+    warnings: list[str] | None = Field(default=None, description="extra: the stages' notices, e.g. a truncated prompt")
 
 
 @dataclass
@@ -146,8 +147,8 @@ def generation_fields(body: Any, **more: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-async def run_images(request: Request, job: ImageJob) -> Any:
-    """The `image` port's pixels; a stage's complaint about width/height names `size`."""
+async def run_images(request: Request, job: ImageJob) -> dict[str, Any]:
+    """The pipeline's outputs; a stage's complaint about width/height names `size`."""
     pipeline = job.served.pipeline
     try:
         outputs = await unless_disconnected(
@@ -156,7 +157,7 @@ async def run_images(request: Request, job: ImageJob) -> Any:
     except InvalidRequestError as err:
         rename_size_param(err)
         raise
-    return outputs[job.served.port("image")]
+    return outputs
 
 
 def rename_size_param(err: InvalidRequestError) -> None:
@@ -164,18 +165,22 @@ def rename_size_param(err: InvalidRequestError) -> None:
         err.param = "size"
 
 
-def images_response(request: Request, job: ImageJob, images: Any) -> JSONResponse:
+def images_response(request: Request, job: ImageJob, outputs: dict[str, Any]) -> JSONResponse:
+    images = outputs[job.served.port("image")]
     height, width = int(images.shape[1]), int(images.shape[2])
-    return JSONResponse(
-        {
-            "created": now(),
-            "data": [job.item(request, f) for f in job.encode(images)],
-            "background": "opaque",
-            "output_format": job.output_format,
-            "size": f"{width}x{height}",
-            "quality": job.quality,
-        }
-    )
+    body = {
+        "created": now(),
+        "data": [job.item(request, f) for f in job.encode(images)],
+        "background": "opaque",
+        "output_format": job.output_format,
+        "size": f"{width}x{height}",
+        "quality": job.quality,
+    }
+    # extra (not OpenAI's): what the stages noted, e.g. a prompt truncated to the encoder's length
+    warnings = outputs.get(job.served.port("warnings")) if job.served.port("warnings") else None
+    if warnings:
+        body["warnings"] = list(warnings)
+    return JSONResponse(body)
 
 
 @router.post(

@@ -48,6 +48,18 @@ def test_png_pixels_equal_the_python_api(client, image_pipeline):
     assert not np.array_equal(np.asarray(images[0]), np.asarray(images[1]))
 
 
+def test_a_truncated_prompt_is_said_in_the_answer_as_the_python_api_says_it(client, image_pipeline):
+    prompt = " ".join(f"word{i}" for i in range(400))  # past every tiny text encoder's length
+    fields = {"seed": 1, "num_inference_steps": STEPS}
+    reply = client.images.generate(model="tiny-image", prompt=prompt, size="32x32", extra_body=fields)
+    params = {stage: {**fields, "width": 32, "height": 32} for stage in ("text_encoder", "denoiser", "vae")}
+    ours = image_pipeline.run({"prompt": prompt}, params, timeout=300)["warnings"]
+    assert ours and reply.model_extra["warnings"] == list(ours)
+    assert any("truncated" in w for w in ours)
+    short = client.images.generate(model="tiny-image", prompt="a cat", size="32x32", extra_body=fields)
+    assert "warnings" not in (short.model_extra or {})  # nothing noted, nothing added
+
+
 @pytest.mark.parametrize("fmt", ["jpeg", "webp"])
 def test_jpeg_and_webp_decode_at_the_size(client, fmt):
     reply = client.images.generate(
