@@ -115,7 +115,14 @@ def pipeline_inputs(served: Served, messages: list[ChatMessage], audio_in_video:
                 if videos_port is None:
                     raise UnsupportedError(f"the model {served.name!r} takes no videos", param=param)
                 videos.append(video_bytes(part, f"{param}.video_url"))
-                audio += videos[-1:] if audio_in_video else []
+                if audio_in_video:
+                    if _pyav_rate_and_seconds(videos[-1]) is None:
+                        raise invalid(
+                            "mm_processor_kwargs.use_audio_in_video: this video has no sound track",
+                            f"{param}.video_url",
+                            code="invalid_video",
+                        )
+                    audio.append(videos[-1])
                 parts.append({"type": "video"})
         if audio_port is None and images_port is None and videos_port is None:
             out.append({"role": role, "content": "".join(p["text"] for p in parts)})

@@ -121,6 +121,13 @@ def test_use_audio_in_video_hears_the_sound_track(omni, omni_pipeline):
     silent = omni.chat.completions.create(model="tiny-omni", messages=video_message(raw), temperature=0, max_tokens=8)
     assert reply.usage.prompt_tokens > silent.usage.prompt_tokens  # the sound's encoder rows are in the prompt
     assert reply.usage.prompt_tokens_details.audio_tokens > 0
+    with pytest.raises(openai.BadRequestError) as info:  # VIDEO has no sound track
+        omni.chat.completions.create(
+            model="tiny-omni", messages=video_message(VIDEO), max_tokens=2,
+            extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}},
+        )  # fmt: skip
+    body = info.value.body
+    assert body["param"] == "messages[0].content[0].video_url" and "no sound track" in body["message"], body
 
 
 def test_video_refusals_name_the_part(omni, client):
