@@ -192,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `omnistage` command. Ctrl+C before a command has set up its own handling (while a
+    server imports its libraries, or during a benchmark) ends it with status 130 and no
+    traceback, as a shell command's Ctrl+C does."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("omnistage: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     _apply_jobs_options(args)
     if args.command in ("serve", "ray-config") and (args.command == "ray-config" or args.backend == "ray"):
