@@ -4,8 +4,9 @@ port: image-to-image through the same pipeline as /v1/images/generations.
 The uploaded image (png, jpeg or webp) is decoded to pixels and sent to the `image_in` port;
 the denoiser encodes it with the VAE, noises it to `strength` (extra field, diffusers' name,
 default 0.6) and denoises from there (stages/diffusion/img2img.py). `size` defaults to the
-image's own size, rounded down (and scaled down, aspect kept) into the sizes the model makes. A `mask` (a PNG of the image's size whose transparent pixels mark what to
-repaint, as OpenAI documents it) becomes the alpha channel of the pixels sent: the denoiser
+image's own size, rounded down (and scaled down, aspect kept) into the sizes the model makes.
+A `mask` (a PNG of the image's size whose transparent pixels mark what to repaint, as OpenAI
+documents it) becomes the alpha channel of the pixels sent: the denoiser
 then inpaints (keeps the latents outside the mask). The answer is the generations route's
 (b64_json or url, or SSE events named image_edit.* with stream: true). Not served (400
 naming the field): several input images.
@@ -102,13 +103,11 @@ async def _with_mask(pixels: np.ndarray, mask: UploadFile) -> np.ndarray:
 def _output_size(served, height: int, width: int) -> dict[str, int]:
     """The input image's size, scaled down (aspect kept) and rounded down into the sizes the
     model makes, as diffusers' img2img pipelines round it: any input image can be edited."""
-    from omnistage.stages.diffusion.limits import stage_model_limits
+    from omnistage.stages.diffusion.limits import denoiser_limits
 
-    for stage in served.spec.stages.values():
-        limits = stage_model_limits(stage) if stage.kind == "denoiser" else None
-        if limits is not None:
-            height, width = limits.sizes.fit(height, width)
-            break
+    limits = denoiser_limits(served.spec)
+    if limits is not None:
+        height, width = limits.sizes.fit(height, width)
     return {"width": width, "height": height}
 
 

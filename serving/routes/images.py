@@ -177,7 +177,8 @@ def images_response(request: Request, job: ImageJob, outputs: dict[str, Any]) ->
         "quality": job.quality,
     }
     # extra (not OpenAI's): what the stages noted, e.g. a prompt truncated to the encoder's length
-    warnings = outputs.get(job.served.port("warnings")) if job.served.port("warnings") else None
+    port = job.served.port("warnings")
+    warnings = outputs.get(port) if port is not None else None
     if warnings:
         body["warnings"] = list(warnings)
     return JSONResponse(body)

@@ -124,13 +124,12 @@ def _extras(body: dict[str, Any]) -> dict[str, Any]:
 def _shown_size(name: str, spec: Any, body: dict[str, Any], service: JobService) -> dict[str, Any]:
     """`seconds` and `size` as the video object shows them: as asked, or else the model's
     defaults (None when its checkpoint is not on disk yet)."""
-    from omnistage.stages.diffusion.limits import stage_model_limits
+    from omnistage.stages.diffusion.limits import denoiser_limits
 
     seconds, size = body.get("seconds"), body.get("size")
     if seconds is None or size is None:
-        denoisers = [s for s in spec.stages.values() if s.kind == "denoiser"]
         entry = service.registry.entry(name)
-        limits = stage_model_limits(denoisers[0]) if denoisers and entry is not None and entry.is_ready() else None
+        limits = denoiser_limits(spec) if entry is not None and entry.is_ready() else None
         if limits is not None:
             d = limits.defaults
             seconds = seconds if seconds is not None else f"{((d.num_frames or 1) - 1) / DEFAULT_FPS:g}"

@@ -236,3 +236,9 @@ def stage_model_limits(stage: Any) -> ModelLimits | None:
 
 
 _STAGE_LIMITS: dict[tuple, ModelLimits | None] = {}
+
+
+def denoiser_limits(spec: Any) -> ModelLimits | None:
+    """stage_model_limits of a pipeline's (first) denoiser stage; None without one."""
+    denoiser = next((stage for stage in spec.stages.values() if stage.kind == "denoiser"), None)
+    return stage_model_limits(denoiser) if denoiser is not None else None
