@@ -36,6 +36,9 @@ class Family:
     roles: dict[str, Role]
     modalities_in: tuple[str, ...]
     modalities_out: tuple[str, ...]
+    # the request field a text stage's prompt is built from: what a stage's `prompt` param
+    # (a prompt past the context, an empty one) names in this API
+    prompt_field: str
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,6 +61,7 @@ FAMILIES: dict[str, Family] = {
             },
             ("text",),
             ("text",),
+            "messages",
         ),
         Family(
             "completions",
@@ -69,6 +73,7 @@ FAMILIES: dict[str, Family] = {
             },
             ("text",),
             ("text",),
+            "prompt",
         ),
         Family(
             "images",
@@ -82,6 +87,7 @@ FAMILIES: dict[str, Family] = {
             },
             ("text",),
             ("image",),
+            "prompt",
         ),
         Family(
             "speech",
@@ -99,6 +105,7 @@ FAMILIES: dict[str, Family] = {
             },
             ("text",),
             ("audio",),
+            "input",
         ),
     )
 }

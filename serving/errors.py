@@ -207,6 +207,9 @@ def storage_full(exc: BaseException | None) -> bool:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OmnistageError)
     async def _omnistage(request: Request, exc: OmnistageError):
+        prompt_field = getattr(request.state, "prompt_field", None)  # set by an OpenAI-style route
+        if prompt_field is not None and getattr(exc, "param", None) == "prompt":
+            exc.param = prompt_field
         if exc.status >= 500 and exc.status != 503:
             log.warning("%s %s failed: %s", request.method, request.url.path, exc)
         return omnistage_error_response(exc)

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from omnistage.errors import InvalidRequestError
+from omnistage.graph.serves import FAMILIES
 from omnistage.serving.deps import get_registry
 from omnistage.serving.errors import ModelNotFoundError
 
@@ -79,6 +80,8 @@ def served_pipeline(request: Request, model: str, family: str) -> Served:
             f"the model {model!r} does not serve the {family} API (models that do: {', '.join(takers) or 'none'})",
             param="model",
         )
+    # a stage's error naming its `prompt` is reported under the field the route built it from
+    request.state.prompt_field = FAMILIES[family].prompt_field
     return Served(model, registry.get(model), serves[family])
 
 

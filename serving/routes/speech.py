@@ -22,7 +22,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from omnistage.errors import InvalidRequestError
 from omnistage.serving.deps import unless_disconnected
 from omnistage.serving.media import DEFAULT_SAMPLE_RATE
 from omnistage.serving.routes.request_base import OpenAIRequest
@@ -131,10 +130,8 @@ async def _from_first_audio(request: Request, stream, audio_port: str):
 
     try:
         await unless_disconnected(request, until_audio())
-    except BaseException as exc:
+    except BaseException:
         await stream.aclose()
-        if isinstance(exc, InvalidRequestError) and exc.code == "context_length_exceeded":
-            exc.param = "input"  # the thinker names its prompt, which this route built from `input`
         raise
 
     async def chained():

@@ -79,10 +79,14 @@ def test_prompts_past_the_context_are_400s_naming_the_context(http):
     assert "context" in _refused(response, 400, "context_length_exceeded", "prompt")["message"]
     messages = [{"role": "user", "content": long}]
     response = http.post("/v1/chat/completions", json={"model": "tiny-llm", "messages": messages, "max_tokens": 2})
-    assert "context" in _refused(response, 400, "context_length_exceeded", "prompt")["message"]
-    messages = [{"role": "user", "content": long}]
+    # named by the request's field, as OpenAI does, not by the stage's own `prompt`
+    assert "context" in _refused(response, 400, "context_length_exceeded", "messages")["message"]
+    response = http.post(
+        "/v1/chat/completions", json={"model": "tiny-llm", "messages": messages, "max_tokens": 2, "stream": True}
+    )
+    assert "context" in _refused(response, 400, "context_length_exceeded", "messages")["message"]
     response = http.post("/v1/chat/completions", json={"model": "tiny-omni", "messages": messages, "max_tokens": 2})
-    assert "context" in _refused(response, 400, "context_length_exceeded")["message"]
+    assert "context" in _refused(response, 400, "context_length_exceeded", "messages")["message"]
 
 
 def test_decompression_bombs_and_absurd_audio_are_refused_before_they_cost_memory(server, http):
