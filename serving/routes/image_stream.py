@@ -7,7 +7,8 @@ steps, docs/diffusion.md) becomes a `<kind>.partial_image` event, numbered from 
 starts only once the pipeline has accepted the request, so a refusal keeps its HTTP status.
 Fewer partial images than asked arrive when the request has too few steps to space them.
 A streamed answer carries one image (n = 1), so a preview chunk's rows are successive previews
-(the runtime joins chunks that arrive together).
+(the runtime joins chunks that arrive together). The stages' notices (the `warnings` role, such
+as a truncated prompt) ride on the completed event, as they ride on the unstreamed answer.
 """
 
 from __future__ import annotations
@@ -49,19 +50,23 @@ async def stream_images(request: Request, job: ImageJob, kind: str) -> Streaming
         await stream.aclose()
         rename_size_param(err)
         raise
-    preview_port, image_port = job.served.port("preview"), job.served.port("image")
+    preview_port, image_port, warnings_port = (job.served.port(r) for r in ("preview", "image", "warnings"))
     usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}
 
     async def events():
-        index = 0
+        index, warnings = 0, []
         async for item in rest:
             if item.data is None or not len(item.data):
                 continue
-            if item.port == preview_port and preview_port is not None:
+            if item.port == warnings_port and warnings_port is not None:
+                warnings.extend(item.data)
+            elif item.port == preview_port and preview_port is not None:
                 for row in range(item.data.shape[0]):  # chunks that arrive together come joined
                     yield _event(job, kind, "partial_image", item.data[row : row + 1], partial_image_index=index)
                     index += 1
             elif item.port == image_port:
-                yield _event(job, kind, "completed", item.data, usage={**usage, "output_tokens": 0, "total_tokens": 0})
+                extra = {"warnings": warnings} if warnings else {}
+                usage_ = {**usage, "output_tokens": 0, "total_tokens": 0}
+                yield _event(job, kind, "completed", item.data, usage=usage_, **extra)
 
     return sse_stream(one_per_batch(events()), stream, done=False)

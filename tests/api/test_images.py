@@ -56,6 +56,10 @@ def test_a_truncated_prompt_is_said_in_the_answer_as_the_python_api_says_it(clie
     ours = image_pipeline.run({"prompt": prompt}, params, timeout=300)["warnings"]
     assert ours and reply.model_extra["warnings"] == list(ours)
     assert any("truncated" in w for w in ours)
+    streamed = list(
+        client.images.generate(model="tiny-image", prompt=prompt, size="32x32", stream=True, extra_body=fields)
+    )
+    assert streamed[-1].type == "image_generation.completed" and streamed[-1].model_extra["warnings"] == list(ours)
     short = client.images.generate(model="tiny-image", prompt="a cat", size="32x32", extra_body=fields)
     assert "warnings" not in (short.model_extra or {})  # nothing noted, nothing added
 
