@@ -28,6 +28,7 @@ from omnistage.serving.metrics import ServingMetrics
 from omnistage.serving.middleware import ServingMiddleware
 from omnistage.serving.registry import PipelineRegistry
 from omnistage.serving.routes import ROUTER_MODULES
+from omnistage.serving.routes.spoken_replies import SpokenReplies
 
 
 def create_app(
@@ -70,6 +71,7 @@ def create_app(
     app.state.max_body_bytes = max_body_bytes
     app.state.metrics = ServingMetrics(registry)
     app.state.drain_timeout = drain_timeout
+    app.state.spoken_replies = SpokenReplies()
     install_error_handlers(app)
     install_api_docs(app)
     for module in modules:

@@ -21,6 +21,7 @@ from omnistage.serving.routes.chat_audio import audio_params, message_audio, pcm
 from omnistage.serving.routes.chat_input import pipeline_inputs
 from omnistage.serving.routes.chat_models import ChatCompletion, ChatCompletionChunk, ChatCompletionRequest
 from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now, served_pipeline
+from omnistage.serving.routes.spoken_replies import remember_reply, transcripts_for
 from omnistage.serving.routes.streams import TEXT_SLOT, TextDelta, first_then_rest, spliced_encoder, sse_stream
 from omnistage.serving.routes.textgen import (
     chat_logprobs,
@@ -70,11 +71,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     served = served_pipeline(request, body.model, "chat")
     _check_unsupported(body)
     spoken = wants_audio(served, body)
+    transcripts = transcripts_for(request)
     if any(isinstance(m.content, list) for m in body.messages):  # media checks decode: off the loop
         in_video = body.mm_processor_kwargs is not None and body.mm_processor_kwargs.use_audio_in_video
-        inputs = await run_in_threadpool(pipeline_inputs, served, body.messages, in_video)
+        inputs = await run_in_threadpool(pipeline_inputs, served, body.messages, in_video, transcripts)
     else:  # plain text: no thread hop before the first token
-        inputs = pipeline_inputs(served, body.messages)
+        inputs = pipeline_inputs(served, body.messages, transcripts=transcripts)
     params = salt_by_key(request, served, _stage_params(served, body, spoken))
     tokenizer = tokenizer_for(served) if body.logprobs else None
     request_id = new_id("chatcmpl")
@@ -88,7 +90,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         message = {"role": "assistant", "content": c["text"], "refusal": None}
         if spoken and c["index"] == 0:  # the speech stages speak sequence 0
             message["content"] = None
-            message["audio"] = message_audio(outputs[served.port("audio")], body.audio.format, c["text"])
+            audio_id = new_id("audio")
+            expires_at = remember_reply(request, audio_id, c["text"])
+            waveform = outputs[served.port("audio")]
+            message["audio"] = message_audio(waveform, body.audio.format, c["text"], audio_id, expires_at)
         choices.append(
             {
                 "index": c["index"],
@@ -120,7 +125,7 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
     first = await first_then_rest(request, stream)
     created, text_port, info_port, audio_port = now(), served.port("text"), served.port("info"), served.port("audio")
     speech_info_port = served.port("speech_info") if spoken else None
-    audio_id = new_id("audio")
+    audio_id, transcript = new_id("audio"), []
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -142,6 +147,7 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
         if item.port == text_port and item.data and not spoken:
             return TextDelta(item.data, content_event)  # merged with its neighbours in the batch
         if item.port == text_port and item.data:
+            transcript.append(item.data)
             audio = {"audio": {"id": audio_id, "transcript": item.data}}
             return chunk([{"index": 0, "delta": audio, "logprobs": None, "finish_reason": None}])
         if spoken and item.port == audio_port and item.data is not None and len(item.data):
@@ -161,6 +167,10 @@ async def _stream(request, served: Served, body, inputs, params, request_id, tok
             if out:
                 yield out
         tail = []
+        if spoken:  # the reply is whole: from now on a later turn may send it back by id
+            expires_at = remember_reply(request, audio_id, "".join(transcript))
+            audio = {"audio": {"id": audio_id, "expires_at": expires_at}}
+            tail.append(chunk([{"index": 0, "delta": audio, "logprobs": None, "finish_reason": None}]))
         for c in choices_of("", ends["info"], body.n):
             rest = c["text"] if c["index"] > 0 and c.get("text") else None
             logprobs = chat_logprobs(tokenizer, c.get("logprobs") or []) if tokenizer is not None else None

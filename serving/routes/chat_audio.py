@@ -5,7 +5,9 @@ The chat stage gets `modalities` (it decides whether the reply is spoken); `voic
 `speech_params:` stages that declare it, and so does `seed` (a seeded spoken reply is
 reproducible end to end). Not streamed, the whole waveform is encoded in the
 asked format as `message.audio` {id, data, transcript, expires_at}; streamed, each audio
-chunk leaves as base64 PCM16 in `delta.audio.data` and the text as `delta.audio.transcript`.
+chunk leaves as base64 PCM16 in `delta.audio.data`, the text as `delta.audio.transcript`, and
+a last audio delta carries `expires_at`. Until then a later turn may send the reply back as
+`audio: {id}` (spoken_replies.py keeps its transcript).
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import base64
 from typing import Any
 
 from omnistage.serving.media import DEFAULT_SAMPLE_RATE
-from omnistage.serving.routes.served import Served, UnsupportedError, new_id, now
+from omnistage.serving.routes.served import Served, UnsupportedError
 
-EXPIRES_S = 3600  # nothing is stored; the id only names the clip within the conversation
 FORMATS = {"wav": "wav", "pcm16": "pcm", "flac": "flac", "mp3": "mp3", "opus": "opus", "aac": "aac"}
 
 
@@ -45,15 +46,15 @@ def audio_params(served: Served, body: Any, spoken: bool) -> dict[str, dict[str,
     return params
 
 
-def message_audio(waveform: Any, fmt: str, transcript: str) -> dict[str, Any]:
+def message_audio(waveform: Any, fmt: str, transcript: str, audio_id: str, expires_at: int) -> dict[str, Any]:
     from omnistage.streaming.audio import encode_audio
 
     data = encode_audio(waveform, DEFAULT_SAMPLE_RATE, FORMATS[fmt])
     return {
-        "id": new_id("audio"),
+        "id": audio_id,
         "data": base64.b64encode(data).decode("ascii"),
         "transcript": transcript,
-        "expires_at": now() + EXPIRES_S,
+        "expires_at": expires_at,
     }
 
 

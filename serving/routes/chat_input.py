@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from collections.abc import Callable
 from typing import Any
 
 from omnistage.serving.routes.chat_models import AudioPart, ChatMessage, ImagePart, TextPart, VideoPart
@@ -80,9 +81,32 @@ def _pyav_rate_and_seconds(data: bytes) -> tuple[int, float] | None:
         return None
 
 
-def pipeline_inputs(served: Served, messages: list[ChatMessage], audio_in_video: bool = False) -> dict[str, Any]:
+def _referred_reply(msg: ChatMessage, where: str, transcripts: Callable[[str], str | None] | None) -> str:
+    """The transcript an assistant turn's `audio: {id}` stands for."""
+    param = f"{where}.audio.id"
+    if msg.content:
+        raise invalid("an assistant message carries content or audio, not both", param, code="invalid_value")
+    transcript = transcripts(msg.audio.id) if transcripts is not None else None
+    if transcript is None:
+        transcript = msg.audio.transcript
+    if transcript is None:
+        raise invalid(
+            f"no spoken reply {msg.audio.id!r} is known to this key (unknown, or past its expires_at)",
+            param,
+            code="invalid_value",
+        )
+    return transcript
+
+
+def pipeline_inputs(
+    served: Served,
+    messages: list[ChatMessage],
+    audio_in_video: bool = False,
+    transcripts: Callable[[str], str | None] | None = None,
+) -> dict[str, Any]:
     """The pipeline's inputs; with `audio_in_video` each video is also the next audio entry
-    (the encoder decodes its sound track), where the text stage expects it."""
+    (the encoder decodes its sound track), where the text stage expects it. `transcripts`
+    resolves an assistant turn's `audio: {id}` to the spoken reply's transcript."""
     audio_port, images_port, videos_port = served.port("audio_in"), served.port("images_in"), served.port("videos_in")
     audio: list[bytes] = []
     images: list[bytes] = []
@@ -93,6 +117,9 @@ def pipeline_inputs(served: Served, messages: list[ChatMessage], audio_in_video:
         if msg.tool_calls or msg.role == "tool":
             raise UnsupportedError("tool messages are not supported yet", param=f"{where}.role")
         role = "system" if msg.role == "developer" else msg.role
+        if msg.audio is not None:
+            out.append({"role": role, "content": _referred_reply(msg, where, transcripts)})
+            continue
         if msg.content is None or isinstance(msg.content, str):
             out.append({"role": role, "content": msg.content or ""})
             continue

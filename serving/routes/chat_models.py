@@ -66,6 +66,18 @@ ContentPart = Annotated[
 ]
 
 
+class AudioReference(BaseModel):
+    """An earlier spoken reply, sent back in an assistant turn: `{id}`, or the whole
+    `message.audio` as the `openai` client sends a reply's message back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(description="the `audio.id` of a spoken reply this key was given, before its expires_at")
+    transcript: str | None = Field(default=None, description="used when the id is no longer known")
+    data: str | None = Field(default=None, description="ignored: the turn is taken as its transcript")
+    expires_at: int | None = Field(default=None, description="ignored")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -73,6 +85,8 @@ class ChatMessage(BaseModel):
     # required but for an assistant's turn (which may carry tool_calls instead), as OpenAI has it
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
+    refusal: str | None = None  # an earlier reply's, as the `openai` client sends it back
+    audio: AudioReference | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
@@ -82,6 +96,13 @@ class ChatMessage(BaseModel):
         if content is None and info.data.get("role", "assistant") != "assistant":
             raise ValueError(f"a {info.data['role']} message needs content")
         return content
+
+    @field_validator("audio")
+    @classmethod
+    def _audio_of_assistant(cls, audio: Any, info: ValidationInfo) -> Any:
+        if audio is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message refers to an earlier spoken reply")
+        return audio
 
 
 class MMProcessorKwargs(BaseModel):

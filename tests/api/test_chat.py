@@ -89,6 +89,18 @@ def test_n2_sampled_choices_equal_the_python_api(client, llm_pipeline):
     assert texts == [c.message.content for c in reply.choices]
 
 
+def test_a_reply_goes_back_as_the_client_returned_it(client, llm_pipeline):
+    """The usual multi-turn loop, `messages.append(reply.choices[0].message)`: the `openai`
+    client sends the message object back with its `refusal: null`."""
+    first = client.chat.completions.create(model="tiny-llm", messages=MESSAGES, temperature=0, max_tokens=6)
+    turn = [*MESSAGES, first.choices[0].message, {"role": "user", "content": "Again?"}]
+    second = client.chat.completions.create(model="tiny-llm", messages=turn, temperature=0, max_tokens=6)
+    judge = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content}, turn[-1]]
+    ours = python_api(llm_pipeline, {"temperature": 0.0, "max_tokens": 6}, judge)
+    assert second.choices[0].message.content == ours["text"]
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
 def test_stop_string_cuts_the_reply(client):
     args = dict(model="tiny-llm", messages=MESSAGES, temperature=0, max_tokens=24)
     full = client.chat.completions.create(**args).choices[0].message.content

@@ -107,7 +107,7 @@ def test_streamed_spoken_reply_carries_pcm_and_transcript(omni, python_reply):
             **SAMPLING,
         )
     )
-    transcript, pcm, audio_chunks = "", b"", 0
+    transcript, pcm, audio_chunks, ids, expires = "", b"", 0, set(), []
     for c in chunks:
         for choice in c.choices:
             audio = choice.delta.audio
@@ -115,12 +115,47 @@ def test_streamed_spoken_reply_carries_pcm_and_transcript(omni, python_reply):
                 transcript += audio.transcript or ""
                 pcm += base64.b64decode(audio.data or "")
                 audio_chunks += bool(audio.data)
+                ids.add(audio.id)
+                expires.append(getattr(audio, "expires_at", None))
     assert transcript == python_reply["text"]
+    # one id throughout; the last audio delta says until when it can be sent back
+    assert len(ids) == 1 and expires[-1] is not None and expires[-1] > chunks[0].created
+    assert all(e is None for e in expires[:-1])
+    turn = [*MESSAGES, {"role": "assistant", "audio": {"id": ids.pop()}}, {"role": "user", "content": "Go on."}]
+    assert omni.chat.completions.create(model="tiny-omni", messages=turn, **SAMPLING).choices[0].message.content
     samples = np.frombuffer(pcm, dtype="<i2")
     ours = np.asarray(python_reply["audio"], dtype=np.float32).reshape(-1)
     assert np.array_equal(samples, to_pcm16_array(ours).reshape(-1))
     assert audio_chunks >= 2, audio_chunks  # streamed in pieces, not one clip at the end
     _check_audio_usage(chunks[-1].usage, python_reply)
+
+
+def test_a_spoken_reply_goes_back_by_its_audio_id(omni, omni_pipeline):
+    """OpenAI's multi-turn audio: the next turn refers to the reply by `audio: {id}` (or sends
+    the client's whole message back), and the thinker reads the reply's transcript there."""
+    spoken = omni.chat.completions.create(
+        model="tiny-omni", messages=MESSAGES, modalities=["text", "audio"], audio={"voice": "Ethan"}, **SAMPLING
+    )
+    reply = spoken.choices[0].message
+    question = {"role": "user", "content": "And then?"}
+    by_id = [*MESSAGES, {"role": "assistant", "audio": {"id": reply.audio.id}}, question]
+    answer = omni.chat.completions.create(model="tiny-omni", messages=by_id, **SAMPLING).choices[0].message.content
+    echoed = omni.chat.completions.create(model="tiny-omni", messages=[*MESSAGES, reply, question], **SAMPLING)
+    assert echoed.choices[0].message.content == answer
+
+    judge = [
+        {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": reply.audio.transcript},
+        question,
+    ]
+    params = {"thinker": {"temperature": 0.0, "max_tokens": 8, "seed": 0, "modalities": ["text"]}}
+    ours = omni_pipeline.run({"messages": judge, "audio": [base64.b64decode(WAV)]}, params, timeout=300)
+    assert answer == ours["text"]
+
+    unknown = [*MESSAGES, {"role": "assistant", "audio": {"id": "audio-unknown"}}, question]
+    with pytest.raises(openai.BadRequestError) as info:
+        omni.chat.completions.create(model="tiny-omni", messages=unknown, **SAMPLING)
+    assert info.value.body["param"] == "messages[1].audio.id"
 
 
 def test_text_only_reply_on_the_omni_pipeline(omni):
