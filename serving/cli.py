@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     """The `omnistage` command. Ctrl+C before a command has set up its own handling (while a
     server imports its libraries, or during a benchmark) ends it with status 130 and no
     traceback, as a shell command's Ctrl+C does."""
+    from omnistage.serving import interrupts
+
+    interrupts.install()
     try:
         return _run(argv)
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ import uvicorn
 
 from omnistage.graph.paths import default_config_paths
 from omnistage.runtime.third_party_output import quiet_for_log_level
+from omnistage.serving import interrupts
 from omnistage.serving.registry import PipelineRegistry
 
 log = logging.getLogger("omnistage.serving")
@@ -154,6 +155,7 @@ def serve(
     )
     server = DrainingServer(config, app, registry, drain_timeout)
     try:
+        interrupts.raise_if_interrupted()  # a Ctrl+C during the imports above that was swallowed
         server.run()
     except SystemExit as exc:  # uvicorn exits this way when it cannot bind the port
         return int(exc.code or 1)
