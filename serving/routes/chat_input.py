@@ -83,9 +83,9 @@ def _pyav_rate_and_seconds(data: bytes) -> tuple[int, float] | None:
 
 def _referred_reply(msg: ChatMessage, where: str, transcripts: Callable[[str], str | None] | None) -> str:
     """The transcript an assistant turn's `audio: {id}` stands for."""
-    param = f"{where}.audio.id"
     if msg.content:
-        raise invalid("an assistant message carries content or audio, not both", param, code="invalid_value")
+        raise invalid("an assistant message carries content or audio, not both", f"{where}.content")
+    param = f"{where}.audio.id"
     transcript = transcripts(msg.audio.id) if transcripts is not None else None
     if transcript is None:
         transcript = msg.audio.transcript
@@ -121,7 +121,7 @@ def pipeline_inputs(
             out.append({"role": role, "content": _referred_reply(msg, where, transcripts)})
             continue
         if msg.content is None or isinstance(msg.content, str):
-            out.append({"role": role, "content": msg.content or ""})
+            out.append({"role": role, "content": msg.content or msg.refusal or ""})  # a refusal is what was said
             continue
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(msg.content):

@@ -104,6 +104,13 @@ class ChatMessage(BaseModel):
             raise ValueError("only an assistant message refers to an earlier spoken reply")
         return audio
 
+    @field_validator("refusal")
+    @classmethod
+    def _refusal_of_assistant(cls, refusal: Any, info: ValidationInfo) -> Any:
+        if refusal is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries a refusal")
+        return refusal
+
 
 class MMProcessorKwargs(BaseModel):
     """vLLM's per-request multimodal processor options (the ones these pipelines honour)."""

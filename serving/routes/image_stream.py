@@ -54,7 +54,7 @@ async def stream_images(request: Request, job: ImageJob, kind: str) -> Streaming
     usage = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}
 
     async def events():
-        index, warnings = 0, []
+        index, warnings, image = 0, [], None
         async for item in rest:
             if item.data is None or not len(item.data):
                 continue
@@ -65,8 +65,10 @@ async def stream_images(request: Request, job: ImageJob, kind: str) -> Streaming
                     yield _event(job, kind, "partial_image", item.data[row : row + 1], partial_image_index=index)
                     index += 1
             elif item.port == image_port:
-                extra = {"warnings": warnings} if warnings else {}
-                usage_ = {**usage, "output_tokens": 0, "total_tokens": 0}
-                yield _event(job, kind, "completed", item.data, usage=usage_, **extra)
+                image = item.data
+        if image is not None:  # once the request has ended: a stage's notice may come after the image
+            extra = {"warnings": warnings} if warnings else {}
+            usage_ = {**usage, "output_tokens": 0, "total_tokens": 0}
+            yield _event(job, kind, "completed", image, usage=usage_, **extra)
 
     return sse_stream(one_per_batch(events()), stream, done=False)

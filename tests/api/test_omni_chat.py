@@ -156,6 +156,10 @@ def test_a_spoken_reply_goes_back_by_its_audio_id(omni, omni_pipeline):
     with pytest.raises(openai.BadRequestError) as info:
         omni.chat.completions.create(model="tiny-omni", messages=unknown, **SAMPLING)
     assert info.value.body["param"] == "messages[1].audio.id"
+    both = [*MESSAGES, {"role": "assistant", "content": "hi", "audio": {"id": reply.audio.id}}, question]
+    with pytest.raises(openai.BadRequestError) as info:
+        omni.chat.completions.create(model="tiny-omni", messages=both, **SAMPLING)
+    assert info.value.body["param"] == "messages[1].content"
 
 
 def test_text_only_reply_on_the_omni_pipeline(omni):

@@ -37,3 +37,13 @@ def test_the_oldest_replies_go_first():
     clock.t += EXPIRES_S  # expired ones are dropped as new ones come
     store.remember(None, "audio-5", "5")
     assert len(store._replies) == 1
+
+
+def test_transcripts_fit_a_size_budget():
+    store = SpokenReplies(max_chars=10)
+    store.remember(None, "audio-1", "abcd")
+    store.remember(None, "audio-2", "efgh")
+    store.remember(None, "audio-3", "ijkl")  # 12 characters: the oldest goes
+    assert [store.transcript(None, f"audio-{i}") for i in (1, 2, 3)] == [None, "efgh", "ijkl"]
+    store.remember(None, "audio-2", "xy")  # the same id again counts once
+    assert store._chars == 6
