@@ -29,7 +29,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Header, Query, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.errors import InvalidRequestError
 from omnistage.serving.errors import ServiceUnavailableError
@@ -89,12 +89,16 @@ router = APIRouter(tags=["jobs"])
 
 
 class WebhookSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     url: str
     events: list[str] | None = None
     secret: str | None = None  # whsec_...; the server's secrets sign when absent
 
 
 class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 400 naming it, not ignored
+
     model: str
     inputs: dict[str, Any]
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)

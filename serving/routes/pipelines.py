@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from omnistage.errors import InvalidRequestError, OmnistageError
 from omnistage.serving.catalog import describe_pipeline
@@ -38,6 +38,8 @@ PASS_THROUGH_TYPES = ("text", "json", "any")
 
 
 class RunRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt `params` or `stream` is a 400, not ignored
+
     inputs: dict[str, Any]
     params: dict[str, dict[str, Any]] = Field(default_factory=dict)
     stream: bool = False

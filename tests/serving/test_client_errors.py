@@ -35,6 +35,25 @@ def test_bad_param_is_400_naming_the_param_streamed_or_not(tiny_server, stream):
     assert "max_tokens" in err["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (RUN, {"inputs": {"prompt": "hi"}, "param": {"llm": {"max_tokens": 2}}}, "param"),
+        (RUN, {"inputs": {"prompt": "hi"}, "strem": True}, "strem"),
+        ("/v1/jobs", {"model": "tiny-llm", "inputs": {"prompt": "hi"}, "parms": {}}, "parms"),
+        (
+            "/v1/jobs",
+            {"model": "tiny-llm", "inputs": {"prompt": "hi"}, "webhook": {"url": "http://x", "event": []}},
+            "webhook.event",
+        ),
+    ],
+)
+def test_a_misspelt_body_field_is_400_naming_it(tiny_server, path, body, field):
+    """Not ignored: a misspelt `params` would have run with the defaults."""
+    err = _error(httpx.post(tiny_server.url + path, json=body, timeout=60), 400, "invalid_value")
+    assert err["param"] == field, err
+
+
 def test_stream_that_starts_is_sse_and_ends_with_done(tiny_server):
     body = {"inputs": {"prompt": "hi"}, "params": {"llm": {"max_tokens": 3, "ignore_eos": True}}, "stream": True}
     with httpx.stream("POST", tiny_server.url + RUN, json=body, timeout=60) as r:
