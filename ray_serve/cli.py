@@ -16,7 +16,13 @@ import threading
 from typing import Any
 
 from omnistage.ray_serve.config import APP_NAME, dump_yaml, serve_config
-from omnistage.ray_serve.options import BackendOptions, PipelineSource
+from omnistage.ray_serve.options import (
+    BackendOptions,
+    PipelineSource,
+    cpu_reservation,
+    cpu_shortfall,
+    fitting_cpus_per_thread,
+)
 
 log = logging.getLogger("omnistage.ray_serve")
 
@@ -45,8 +51,16 @@ def ray_config_command(configs: list[str], overrides: list[str], opts: BackendOp
 
 
 def serve_on_ray(
-    configs: list[str], host: str, port: int, overrides: list[str], opts: BackendOptions, log_level: str = "info"
+    configs: list[str],
+    host: str,
+    port: int,
+    overrides: list[str],
+    opts: BackendOptions,
+    log_level: str = "info",
+    fit_cpus: bool = False,
 ) -> int:
+    """Deploy and serve until SIGINT/SIGTERM. `fit_cpus`: on a local Ray, lower
+    `opts.cpus_per_thread` until every replica fits its CPUs (no --ray-cpus-per-thread given)."""
     from omnistage.graph.paths import default_config_paths
     from omnistage.runtime.third_party_output import quiet_for_log_level
 
@@ -58,32 +72,74 @@ def serve_on_ray(
         return 2
     try:
         import ray
-        from ray import serve
     except ImportError:
         print("omnistage serve --backend ray: install the ray extra (pip install 'omnistage[ray]')", file=sys.stderr)
         return 2
-    from omnistage.ray_serve.app import build_app
 
     # the jobs store settings (--jobs-db sets OMNISTAGE_JOBS_DB) reach the ingress replicas
     # on every node, not only those that inherit this process's environment
     opts.ingress_env = {k: v for k, v in os.environ.items() if k.startswith("OMNISTAGE_JOBS_")}
     address = os.environ.get("RAY_ADDRESS")
     ray.init(address=address or None, num_cpus=None if address else os.cpu_count(), include_dashboard=False)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    shortfall = _fit_cpus(source.load_all(), opts, ray.cluster_resources().get("CPU", 0.0), fit_cpus and not address)
+    if shortfall is not None and not address:  # a local Ray gains no nodes: refuse
+        ray.shutdown()
+        print(f"omnistage serve --backend ray: {shortfall}", file=sys.stderr)
+        return 2
+    if shortfall is not None:  # a cluster's autoscaler may add nodes
+        log.warning("%s", shortfall)
     try:
-        serve.start(http_options={"host": host, "port": port})
-        args: dict[str, Any] = {**source.to_dict(), "options": opts.to_dict()}
-        # Serve logs every call between deployments at INFO: only with --log-level debug
-        logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging_config)
-        log.info("serving %s on http://%s:%d through Ray Serve", ", ".join(source.configs), host, port)
-        stop.wait()
-        log.info("stopping: deleting the Serve application")
-        serve.delete(APP_NAME)
+        return _deploy_until_stopped(source, opts, host, port, log_level)
     finally:
         if not address:
+            from ray import serve
+
             serve.shutdown()
         ray.shutdown()
-    return 0
+
+
+def _fit_cpus(specs: list, opts: BackendOptions, cpus: float, fit: bool) -> str | None:
+    """With `fit`, lowers opts.cpus_per_thread until the replicas fit `cpus`; returns what to
+    say when they still do not (None: they fit)."""
+    reservation = cpu_reservation(specs, opts)
+    fitting = fitting_cpus_per_thread(reservation, cpus)
+    if fit and reservation.cpus > cpus and fitting > 0:
+        opts.cpus_per_thread = fitting
+        log.info("%d pool threads on %g CPUs: each reserves %g of a Ray CPU", reservation.threads, cpus, fitting)
+    return cpu_shortfall(cpu_reservation(specs, opts), cpus, opts)
+
+
+def _deploy_until_stopped(source: PipelineSource, opts: BackendOptions, host: str, port: int, log_level: str) -> int:
+    """Run the application until SIGINT/SIGTERM, then delete it: 0, or 130 when stopped while
+    it was still deploying (serve.run waits for every replica: the signal interrupts that)."""
+    from ray import serve
+
+    from omnistage.ray_serve.app import build_app
+
+    stop, deploying = threading.Event(), threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        stop.set()
+        if deploying.is_set():
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    serve.start(http_options={"host": host, "port": port})
+    args: dict[str, Any] = {**source.to_dict(), "options": opts.to_dict()}
+    # Serve logs every call between deployments at INFO: only with --log-level debug
+    logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
+    status = 0
+    deploying.set()
+    try:
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging_config)
+        deploying.clear()
+        log.info("serving %s on http://%s:%d through Ray Serve", ", ".join(source.configs), host, port)
+        stop.wait()
+    except KeyboardInterrupt:
+        log.warning("stopped before the application was ready")
+        status = 130
+    deploying.clear()
+    log.info("stopping: deleting the Serve application")
+    serve.delete(APP_NAME)
+    return status

@@ -138,3 +138,43 @@ def ingress_options(opts: BackendOptions) -> dict[str, Any]:
         "ray_actor_options": actor,
         "max_ongoing_requests": INGRESS_MAX_ONGOING,
     }
+
+
+@dataclass(frozen=True)
+class CpuReservation:
+    """The Ray CPUs an application reserves as it starts, and the pool threads behind them."""
+
+    cpus: float  # stage replicas (at their starting count) and ingress replicas
+    threads: int  # pool threads over those stage replicas
+    ingress_cpus: float
+
+
+def cpu_reservation(specs: list[PipelineSpec], opts: BackendOptions) -> CpuReservation:
+    threads = 0
+    for spec in specs:
+        for stage in spec.stages.values():
+            scaling = stage.pool.autoscaling or {}
+            replicas = (
+                scaling.get("initial_replicas", scaling.get("min_replicas", 1)) if scaling else stage.pool.replicas
+            )
+            threads += stage.pool.threads * max(1, int(replicas))
+    ingress = opts.ingress_cpus * opts.ingress_replicas
+    return CpuReservation(threads * opts.cpus_per_thread + ingress, threads, ingress)
+
+
+def fitting_cpus_per_thread(reservation: CpuReservation, available: float) -> float:
+    """The largest cpus_per_thread (in hundredths) whose reservation fits `available` CPUs."""
+    return int(100 * max(0.0, available - reservation.ingress_cpus) / max(1, reservation.threads)) / 100
+
+
+def cpu_shortfall(reservation: CpuReservation, available: float, opts: BackendOptions) -> str | None:
+    """What to say when the application reserves more CPUs than Ray has (None: it fits)."""
+    if reservation.cpus <= available + 1e-9:
+        return None
+    fitting = fitting_cpus_per_thread(reservation, available)
+    hint = f"--ray-cpus-per-thread {fitting:g}" if fitting > 0 else "fewer replicas"
+    return (
+        f"the application reserves {reservation.cpus:g} Ray CPUs ({reservation.threads} pool threads x "
+        f"--ray-cpus-per-thread {opts.cpus_per_thread:g}, plus the ingress) and Ray has {available:g}: "
+        f"the replicas that do not fit would wait to be scheduled forever. Try {hint}."
+    )

@@ -45,10 +45,14 @@ def _add_ray_options(p: argparse.ArgumentParser, backend: bool = False) -> None:
     p.add_argument(
         "--ray-cpus-per-thread",
         type=float,
-        default=1.0,
+        default=None,
         metavar="F",
-        help="Ray CPUs a stage replica reserves per pool thread (below 1 oversubscribes)"
-        + ("; with --backend ray" if backend else ""),
+        help="Ray CPUs a stage replica reserves per pool thread (default 1; below 1 oversubscribes"
+        + (
+            "; a local Ray's default is lowered until every replica fits its CPUs); with --backend ray"
+            if backend
+            else ")"
+        ),
     )
     p.add_argument(
         "--ingress-replicas",
@@ -91,7 +95,8 @@ def _ray_options(args: argparse.Namespace):
     BackendOptions = importlib.import_module("omnistage.ray_serve.options").BackendOptions  # noqa: N806
     keys = list(getattr(args, "api_keys", []))
     drain = getattr(args, "drain_timeout", 30.0)
-    return BackendOptions(args.ray_cpus_per_thread, args.ingress_replicas, drain_timeout=drain, api_keys=keys)
+    cpus_per_thread = 1.0 if args.ray_cpus_per_thread is None else args.ray_cpus_per_thread
+    return BackendOptions(cpus_per_thread, args.ingress_replicas, drain_timeout=drain, api_keys=keys)
 
 
 def _add_serve_parser(sub) -> None:
@@ -215,9 +220,9 @@ def _run(argv: list[str] | None) -> int:
         ray_cli = importlib.import_module("omnistage.ray_serve.cli")
         if args.command == "ray-config":
             return ray_cli.ray_config_command(args.configs, args.overrides, _ray_options(args), args.host, args.port)
-        return ray_cli.serve_on_ray(
-            args.configs, args.host, args.port, args.overrides, _ray_options(args), args.log_level
-        )
+        fit = args.ray_cpus_per_thread is None
+        opts = _ray_options(args)
+        return ray_cli.serve_on_ray(args.configs, args.host, args.port, args.overrides, opts, args.log_level, fit)
     if args.command == "serve":
         from omnistage.graph.paths import default_config_paths
         from omnistage.runtime.fork_server import start_for_files
