@@ -106,7 +106,7 @@ def check_params(spec: Any, params: Mapping[str, Any], *, queued: bool = False) 
             continue
         merged = {**(spec.stages[stage].request_defaults or {}), **values}
         try:
-            kind.request_params.validate(merged)
+            kind.request_params_for(spec.stages[stage].params or {}).validate(merged)
             if queued:
                 kind.check_queued(spec.stages[stage], merged)
         except InvalidRequestError as exc:

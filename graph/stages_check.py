@@ -104,19 +104,20 @@ def check_stage(name: str, key_pos: SourcePos, node: Node, report: Report, base_
             info.ok = False
         else:
             spec.request_defaults = plain(dm)
-            if cls is not None and not _request_defaults_ok(cls, spec.request_defaults, dm, where, report):
+            accepted = cls.request_params_for(spec.params) if cls is not None else None
+            if accepted is not None and not _request_defaults_ok(accepted, spec.request_defaults, dm, where, report):
                 info.ok = False
     return info
 
 
-def _request_defaults_ok(cls, defaults: dict, node, where: str, report: Report) -> bool:
+def _request_defaults_ok(accepted, defaults: dict, node, where: str, report: Report) -> bool:
     """Each default is a request parameter of the kind with a value it accepts; the rules
     across values (min <= max) are left to each request, which may override either side."""
     ok = True
     for key, value in defaults.items():
-        why = cls.request_params.key_problem(key, value)
+        why = accepted.key_problem(key, value)
         if why:
-            pos = node.entries[key].pos if key in cls.request_params else node.key_pos[key]
+            pos = node.entries[key].pos if key in accepted else node.key_pos[key]
             report.add(pos, f"{where}.request_defaults: {why}")
             ok = False
     return ok

@@ -22,12 +22,12 @@ _EXAMPLE_BY_TYPE: dict[str, Any] = {"text": "Hello", "tokens": [1, 2, 3]}
 _EXAMPLE_MESSAGES = [{"role": "user", "content": "Hello"}]
 
 
-def request_params_of(kind: str) -> tuple[list[dict[str, Any]], bool]:
-    """(declared per-request params of a stage kind, whether undeclared keys are accepted)."""
-    from omnistage.stages.params import kind_params
+def request_params_of(stage: Any) -> tuple[list[dict[str, Any]], bool]:
+    """(declared per-request params of a stage, whether undeclared keys are accepted)."""
+    from omnistage.stages.registry import get_stage_class
 
     try:
-        request = kind_params(kind).request
+        request = get_stage_class(stage.kind).request_params_for(stage.params or {})
     except KeyError:  # a kind that is not registered (a pipeline added as a built object)
         return [], True
     return request.describe(), bool(request.open)
@@ -89,7 +89,7 @@ def describe_pipeline(entry: Any, *, detail: bool = True) -> dict[str, Any]:
         return card
     stages = {}
     for name, stage in spec.stages.items():
-        params, open_ = request_params_of(stage.kind)
+        params, open_ = request_params_of(stage)
         stages[name] = {"kind": stage.kind, "params": params, "accepts_undeclared_params": open_}
         limits = stage_limits(stage) if entry.is_ready() else None  # the checkpoint's defaults and range
         if limits is not None:

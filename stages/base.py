@@ -142,6 +142,12 @@ class StageEngine:
         return dict(cls.inputs), dict(cls.outputs)
 
     @classmethod
+    def request_params_for(cls, params: dict[str, Any]) -> ParamSet:
+        """The request params of a stage of this kind with these YAML `params:` (a kind whose
+        stage params decide what a request may send narrows `request_params` here)."""
+        return cls.request_params
+
+    @classmethod
     def validate_params(cls, params: dict[str, Any]) -> list[str]:
         """Problems with stage-level params from the YAML (messages, no positions). Kinds whose
         params depend on each other add their own checks on top of the declared ones."""

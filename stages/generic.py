@@ -41,7 +41,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stages.base import Emission, Port, StageContext, StageRequest, StepRecord
 from omnistage.stages.contracts import PORT_TYPES, error_emission
 from omnistage.stages.dynamic import DynamicBatchEngine
-from omnistage.stages.params import NO_PARAMS, Param, ParamSet
+from omnistage.stages.params import Param, ParamSet
 from omnistage.stages.registry import register_stage
 
 BATCH_MODES = ("none", "stack", "list")
@@ -147,7 +147,15 @@ NOOP_PARAMS = ParamSet(
 )
 
 # torch_module with pass_params: the module reads (and checks) its own request params.
-MODULE_REQUEST_PARAMS = ParamSet("torch_module request", open=True)
+MODULE_REQUEST_PARAMS = ParamSet(
+    "torch_module request",
+    open=True,
+    doc="With the stage's `pass_params: true`, any keys: the module gets them as `params` and checks "
+    "them itself. Without it, none.",
+)
+MODULE_NO_REQUEST_PARAMS = ParamSet(
+    "torch_module request", empty_hint="this stage takes none: its YAML params lack `pass_params: true`"
+)
 
 
 class _CallableEngine(DynamicBatchEngine):
@@ -195,7 +203,7 @@ class _CallableEngine(DynamicBatchEngine):
 
     # per-chunk streaming ----------------------------------------------------------------
     def accepted_request_params(self) -> ParamSet:
-        return self.request_params
+        return self.request_params_for(self.ctx.params)
 
     def add(self, request: StageRequest) -> None:
         try:
@@ -279,8 +287,9 @@ class TorchModuleEngine(_CallableEngine):
         self.batch_mode = p.get("batch", "none")
         self.pass_params = bool(p.get("pass_params", False))
 
-    def accepted_request_params(self) -> ParamSet:
-        return MODULE_REQUEST_PARAMS if self.pass_params else NO_PARAMS
+    @classmethod
+    def request_params_for(cls, params: dict[str, Any]) -> ParamSet:
+        return MODULE_REQUEST_PARAMS if (params or {}).get("pass_params") else MODULE_NO_REQUEST_PARAMS
 
     def call(self, inputs: dict[str, Any], params: dict[str, Any] | None = None) -> Any:
         if self.pass_params:

@@ -233,6 +233,9 @@ class ParamSet:
     params: tuple[Param, ...] = ()
     rules: tuple[Rule, ...] = ()
     open: bool = False
+    # why an empty set takes nothing, in the message about an unknown key
+    empty_hint: str = "this stage kind takes none"
+    doc: str = ""  # what docs/params.md says instead of the table (a set that depends on the stage)
     by_name: dict[str, Param] = field(init=False, repr=False, compare=False)
     required: tuple[Param, ...] = field(init=False, repr=False, compare=False)
 
@@ -265,7 +268,7 @@ class ParamSet:
     # -- checking -------------------------------------------------------------------------
     def unknown_message(self, key: str) -> str:
         if not self.by_name:
-            return f"unknown {self.owner} parameter {key!r}: this stage kind takes none"
+            return f"unknown {self.owner} parameter {key!r}: {self.empty_hint}"
         close = difflib.get_close_matches(key, self.by_name, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         return f"unknown {self.owner} parameter {key!r}{hint}; known: {', '.join(self.by_name)}"
@@ -325,6 +328,8 @@ class ParamSet:
         return [p.describe() for p in self.params]
 
     def markdown_table(self) -> str:
+        if self.doc:
+            return self.doc + "\n"
         if not self.params:
             return "Any keys (passed on unchecked).\n" if self.open else "None.\n"
         lines = ["| param | type | default | range | description |", "|---|---|---|---|---|"]

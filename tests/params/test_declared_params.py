@@ -117,6 +117,30 @@ def test_generic_kinds_refuse_request_params_they_do_not_read():
     assert _drain(module)["bad"].param == "scale"
 
 
+def test_torch_module_request_params_follow_its_pass_params(tmp_path):
+    """The kind takes any request keys with `pass_params: true` and none without: admission,
+    the stage itself and the pipeline's card (GET /v1/pipelines/{name}) all say the same."""
+    from omnistage.graph.inputs import check_params
+    from omnistage.graph.loader import load_pipeline
+    from omnistage.serving.catalog import request_params_of
+
+    path = tmp_path / "mlp.yaml"
+    path.write_text(
+        "name: mlp\ninputs: {x: tensor}\noutputs: {y: tensor, z: tensor}\nstages:\n"
+        "  m: {kind: torch_module, params: {factory: 'torch.nn:Identity'}}\n"
+        "  p: {kind: torch_module, params: {factory: 'torch.nn:Identity', pass_params: true}}\n"
+        "edges: [{from: inputs.x, to: m.x}, {from: inputs.x, to: p.x}, {from: m.y, to: outputs.y},"
+        " {from: p.y, to: outputs.z}]\n"
+    )
+    spec = load_pipeline(str(path))
+    check_params(spec, {"p": {"anything": 1}})
+    with pytest.raises(InvalidRequestError) as refused:
+        check_params(spec, {"m": {"anything": 1}})
+    assert refused.value.param == "anything" and "pass_params: true" in str(refused.value)
+    assert request_params_of(spec.stages["m"]) == ([], False)
+    assert request_params_of(spec.stages["p"]) == ([], True)
+
+
 def test_denoiser_refuses_unknown_request_params():
     from omnistage.stages.diffusion.denoiser import DenoiserStage
 
