@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 import traceback
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,7 +126,15 @@ def build_engine(cfg: WorkerConfig) -> StageEngine:
         replica_index=cfg.replica,
         memory_bytes=st.pool.memory_bytes,
     )
+    # weights a factory initialises at random are the same in every replica, on every backend
+    # and in every run: the generator starts from the stage's own seed, not from whatever the
+    # process did before (a Ray replica's interpreter differs from a forked embedded worker)
+    torch.manual_seed(stage_seed(cfg.spec.name, cfg.stage))
     return get_stage_class(st.kind)(ctx)
+
+
+def stage_seed(pipeline: str, stage: str) -> int:
+    return zlib.crc32(f"{pipeline}/{stage}".encode())
 
 
 class Worker:
