@@ -128,3 +128,8 @@ class PipelineClosedError(OmnistageError):
 class NotFoundError(OmnistageError):
     status = 404
     code = "not_found"
+
+
+class StageConfigError(ValueError):
+    """A stage's YAML params that only building it finds wrong (a factory that does not
+    import): its start fails with this message alone, no traceback."""

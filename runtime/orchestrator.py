@@ -361,7 +361,9 @@ class Orchestrator:
                 self._router.send(r, m)
             self._cond.notify_all()
         elif isinstance(msg, StartFailed):
-            log.error("omnistage: %s failed to start: %s\n%s", r.name, msg.error, msg.traceback)
+            log.error(
+                "omnistage: %s failed to start: %s%s", r.name, msg.error, f"\n{msg.traceback}" * bool(msg.traceback)
+            )
             r.mark_start_error(msg.error)
             self._cond.notify_all()
 

@@ -29,7 +29,7 @@ from typing import Any
 import setproctitle
 import torch
 
-from omnistage.errors import one_line_error
+from omnistage.errors import StageConfigError, one_line_error
 from omnistage.graph.spec import PipelineSpec
 from omnistage.runtime.allocator import apply_allocator_defaults
 from omnistage.runtime.assembler import InputAssembler
@@ -216,7 +216,8 @@ class Worker:
         try:
             self.engine = build_engine(self.cfg)
         except BaseException as exc:  # noqa: BLE001 - report any start-up failure
-            self.send(StartFailed(one_line_error(exc), traceback.format_exc(limit=6)))
+            trace = "" if isinstance(exc, StageConfigError) else traceback.format_exc(limit=6)
+            self.send(StartFailed(one_line_error(exc), trace))
             return
         # What exists now (imported modules, the model's Python objects) lives as long as the
         # worker: frozen, it is no longer scanned by full collections, which otherwise pause

@@ -28,6 +28,7 @@ are passed through as they arrive.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import time
 import types
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import InvalidRequestError, StageConfigError
 from omnistage.stages.base import Emission, Port, StageContext, StageRequest, StepRecord
 from omnistage.stages.contracts import PORT_TYPES, error_emission
 from omnistage.stages.dynamic import DynamicBatchEngine
@@ -50,10 +51,18 @@ BATCH_MODES = ("none", "stack", "list")
 def load_factory(ref: str) -> Callable[..., Any]:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
-        raise ValueError(f"factory {ref!r} must look like 'package.module:callable'")
-    obj: Any = importlib.import_module(module_name)
+        raise StageConfigError(f"params.factory {ref!r} must look like 'package.module:callable'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise StageConfigError(f"params.factory {ref!r}: cannot import {module_name!r} ({exc})") from None
+    owner = module_name
     for part in attr.split("."):
-        obj = getattr(obj, part)
+        if not hasattr(obj, part):
+            close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise StageConfigError(f"params.factory {ref!r}: {owner!r} has no attribute {part!r}{hint}")
+        obj, owner = getattr(obj, part), f"{owner}.{part}"
     return obj
 
 

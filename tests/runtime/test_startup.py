@@ -31,6 +31,22 @@ def test_missing_device_is_a_clear_start_error():
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("omnistage:bad-device:")]
 
 
+def test_a_factory_that_does_not_resolve_is_one_line_with_a_suggestion(caplog):
+    from omnistage.graph.loader import load_pipeline_text
+    from omnistage.runtime.pipeline import Pipeline
+
+    text = YAML.replace(
+        'kind: noop\n    pool: {devices: ["cuda:63"]}', "kind: torch_module\n    params: {factory: 'torch.nn:Linr'}"
+    )
+    text = text.replace("inputs: {x: any}", "inputs: {x: tensor}").replace("outputs: {y: any}", "outputs: {y: tensor}")
+    text = text.replace("n.x, to: outputs", "n.y, to: outputs")
+    spec = load_pipeline_text(text, "bad-factory.yaml")
+    with pytest.raises(StageError, match=r"'torch.nn' has no attribute 'Linr' \(did you mean 'Linear'\?\)"):
+        Pipeline.from_spec(spec, ready_timeout=60)
+    logged = [r.getMessage() for r in caplog.records if "failed to start" in r.getMessage()]
+    assert logged and all("Traceback" not in m and "\n" not in m for m in logged), logged
+
+
 def test_workers_get_the_bounded_openmp_spin(diamond):
     # Unbounded spin-waiting steals the cores other stages need, sleeping at once slows every
     # op: workers get the bounded spin of runtime.openmp unless the environment says otherwise.
