@@ -10,6 +10,7 @@ each line `FILE:LINE:COL: message`.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,8 +38,17 @@ def _missing_file_hint(path: Path) -> str:
     configs = package_configs_dir()
     if path.parent == configs:
         names = sorted(p.stem for p in configs.glob("*.yaml"))
-        return f"; pipelines under configs/: {', '.join(names) or 'none'}"
+        close = difflib.get_close_matches(path.stem, names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{hint}; pipelines under configs/: {', '.join(names) or 'none'}"
     parts = path.parts
+    hub_like = len(parts) == 2 and path.suffix not in (".yaml", ".yml") and not path.parent.exists()
+    if hub_like:  # org/model: a Hugging Face id
+        return (
+            f"; omnistage serves pipeline files, and a model goes in a stage's `model:` (e.g. a copy of "
+            f"{configs / 'tiny-llm.yaml'} whose llm stage has `model: {path}`, read from the local "
+            "Hugging Face cache; docs/pipelines.md)"
+        )
     if not path.is_absolute() and "configs" in parts:
         packaged = configs.joinpath(*parts[parts.index("configs") + 1 :])
         if packaged.is_file():

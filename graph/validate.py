@@ -89,6 +89,9 @@ def _ports(
     m = report.mapping(node, section, node.pos)
     if m is None:
         return None, {}
+    if section == "outputs" and not m.entries:  # as the schema says: a pipeline answers something
+        report.add(node.pos, "outputs: a pipeline needs at least one output port {port: type}")
+        return None, {}
     ports: dict[str, str] = {}
     positions: dict[str, SourcePos] = {}
     ok = True

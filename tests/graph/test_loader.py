@@ -226,6 +226,22 @@ def test_missing_required_fields(tmp_path):
     has(lines, f"{f}:7:5:", "edges[0]: missing required field 'to'")
 
 
+def test_a_pipeline_without_outputs_is_refused(tmp_path):
+    f, lines = problems(
+        tmp_path,
+        """
+        name: e
+        inputs: {x: tensor}
+        outputs: {}
+        stages:
+          n: {kind: noop}
+        edges:
+          - {from: inputs.x, to: n.x}
+    """,
+    )
+    assert lines == [f"{f}:3:10: outputs: a pipeline needs at least one output port {{port: type}}"]
+
+
 def test_bad_values_types_and_ranges(tmp_path):
     f, lines = problems(
         tmp_path,
@@ -531,6 +547,12 @@ def test_bare_name_resolves_under_the_package_configs(tmp_path):
     with pytest.raises(PipelineValidationError) as info:
         load_pipeline("gtest-no-such-pipeline")
     assert info.value.problems[0].startswith(f"{configs / 'gtest-no-such-pipeline.yaml'}:1:1: no such pipeline file")
+    with pytest.raises(PipelineValidationError) as info:
+        load_pipeline("tiny_llm")
+    assert "no such pipeline file (did you mean 'tiny-llm'?)" in info.value.problems[0]
+    with pytest.raises(PipelineValidationError) as info:  # what a vLLM user types first
+        load_pipeline("Qwen/Qwen2.5-0.5B-Instruct")
+    assert "a model goes in a stage's `model:`" in info.value.problems[0]
 
 
 def test_edge_ends_reversed_and_broken_stream_still_checks_endpoints(tmp_path):
