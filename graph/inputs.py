@@ -146,8 +146,10 @@ def parse_port(node: MapNode, where: str, report: Report, port_types: tuple[str,
     if not (isinstance(type_node, ScalarNode) and type_node.value in port_types):
         at = type_node.pos if type_node is not None else node.pos
         got = describe(type_node) if type_node is not None else "nothing"
-        report.add(at, f"{where}.type must be a port type ({', '.join(port_types)}), got {got}")
-        return None
+        value = type_node.value if isinstance(type_node, ScalarNode) else None
+        hint = did_you_mean(value, port_types) if isinstance(value, str) else ""
+        report.add(at, f"{where}.type must be a port type ({', '.join(port_types)}), got {got}{hint}")
+        ok = False  # the shape and dtype are still checked: every problem at once
     shape = _shape(node.get("shape"), f"{where}.shape", report)
     dtype_node = node.get("dtype")
     dtype = None

@@ -242,6 +242,26 @@ def test_a_pipeline_without_outputs_is_refused(tmp_path):
     assert lines == [f"{f}:3:10: outputs: a pipeline needs at least one output port {{port: type}}"]
 
 
+def test_a_port_mapping_reports_its_type_and_dtype_at_once(tmp_path):
+    f, lines = problems(
+        tmp_path,
+        """
+        name: e
+        inputs:
+          x: {type: tensr, dtype: float23}
+        outputs: {y: tensor}
+        stages:
+          n: {kind: noop}
+        edges:
+          - {from: inputs.x, to: n.x}
+          - {from: n.x, to: outputs.y}
+    """,
+    )
+    assert len(lines) == 2, lines
+    has(lines, f"{f}:3:13:", "got string 'tensr' (did you mean 'tensor'?)")
+    has(lines, f"{f}:3:27:", "inputs.x.dtype must be one of", "(did you mean 'float32'?)")
+
+
 def test_bad_values_types_and_ranges(tmp_path):
     f, lines = problems(
         tmp_path,
