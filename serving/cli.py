@@ -174,8 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_ray_config_parser(sub)
 
-    p = sub.add_parser("validate", help="check a pipeline file; exit 0 if valid, 2 if not")
-    p.add_argument("file", help="a pipeline YAML file, or the name of one under configs/ (e.g. tiny-llm)")
+    p = sub.add_parser("validate", help="check pipeline files; exit 0 if all are valid, 2 if not")
+    p.add_argument(
+        "files", nargs="+", metavar="file", help="pipeline YAML files, or names of ones under configs/ (e.g. tiny-llm)"
+    )
     _add_overrides(p)
 
     sub.add_parser("schema", help="print the JSON Schema of the pipeline format")
@@ -208,6 +210,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("omnistage: interrupted", file=sys.stderr)
         return 130
+
+
+def _validate(files: list[str], overrides: list[str]) -> int:
+    """Every file's problems (or `ok`); `--set CONFIG:PATH=VALUE` scoped as serve scopes it."""
+    from omnistage.graph.loader import PipelineValidationError, load_pipeline
+    from omnistage.serving.registry import overrides_per_config
+
+    try:
+        own = overrides_per_config(files, overrides)
+    except ValueError as err:
+        print(f"omnistage validate: {err}", file=sys.stderr)
+        return 2
+    status = 0
+    for file, file_overrides in zip(files, own):
+        try:
+            spec = load_pipeline(file, overrides=file_overrides)
+        except PipelineValidationError as err:
+            for line in err.problems:
+                print(line, file=sys.stderr)
+            status = 2
+            continue
+        print(f"{file}: ok ({spec.name}: {len(spec.stages)} stages, {len(spec.edges)} edges)")
+    return status
 
 
 def _run(argv: list[str] | None) -> int:
@@ -251,16 +276,7 @@ def _run(argv: list[str] | None) -> int:
             or 0
         )
     if args.command == "validate":
-        from omnistage.graph.loader import PipelineValidationError, load_pipeline
-
-        try:
-            spec = load_pipeline(args.file, overrides=args.overrides)
-        except PipelineValidationError as err:
-            for line in err.problems:
-                print(line, file=sys.stderr)
-            return 2
-        print(f"{args.file}: ok ({spec.name}: {len(spec.stages)} stages, {len(spec.edges)} edges)")
-        return 0
+        return _validate(args.files, args.overrides)
     if args.command == "schema":
         import json
 

@@ -52,6 +52,12 @@ def test_cli_validate_exit_codes(tmp_path):
     ), lines
     assert "<--set #1>:1:36: stages.embed.pool.devices: malformed device 'tpu'; expected cpu, cuda or cuda:N" in lines
 
+    # several files at once, as serve takes them: each reported, overrides scoped by file stem
+    both = run_cli("validate", str(DIAMOND), str(bad), "--set", "bad:stages.right.pool.replicas=1")
+    assert both.returncode == 2
+    assert "ok (diamond: 4 stages, 7 edges)" in both.stdout
+    assert "replicas must be >= 1" not in both.stderr and "'inptu'" in both.stderr
+
 
 def test_cli_graph_prints_mermaid():
     result = run_cli("graph", str(DIAMOND))
