@@ -19,9 +19,9 @@ from omnistage.ray_serve.config import APP_NAME, dump_yaml, serve_config
 from omnistage.ray_serve.options import (
     BackendOptions,
     PipelineSource,
-    cpu_reservation,
-    cpu_shortfall,
     fitting_cpus_per_thread,
+    reservation,
+    shortfall,
 )
 
 log = logging.getLogger("omnistage.ray_serve")
@@ -80,14 +80,15 @@ def serve_on_ray(
     # on every node, not only those that inherit this process's environment
     opts.ingress_env = {k: v for k, v in os.environ.items() if k.startswith("OMNISTAGE_JOBS_")}
     address = os.environ.get("RAY_ADDRESS")
-    ray.init(address=address or None, num_cpus=None if address else os.cpu_count(), include_dashboard=False)
-    shortfall = _fit_cpus(source.load_all(), opts, ray.cluster_resources().get("CPU", 0.0), fit_cpus and not address)
-    if shortfall is not None and not address:  # a local Ray gains no nodes: refuse
+    # without RAY_ADDRESS a new local Ray, never a `ray start` cluster found on this machine
+    ray.init(address=address or "local", num_cpus=None if address else os.cpu_count(), include_dashboard=False)
+    missing = _fit_cpus(source.load_all(), opts, ray.cluster_resources(), fit_cpus and not address)
+    if missing is not None and not address:  # a local Ray gains no nodes: refuse
         ray.shutdown()
-        print(f"omnistage serve --backend ray: {shortfall}", file=sys.stderr)
+        print(f"omnistage serve --backend ray: {missing}", file=sys.stderr)
         return 2
-    if shortfall is not None:  # a cluster's autoscaler may add nodes
-        log.warning("%s", shortfall)
+    if missing is not None:  # a cluster's autoscaler may add nodes
+        log.warning("%s", missing)
     try:
         return _deploy_until_stopped(source, opts, host, port, log_level)
     finally:
@@ -98,48 +99,67 @@ def serve_on_ray(
         ray.shutdown()
 
 
-def _fit_cpus(specs: list, opts: BackendOptions, cpus: float, fit: bool) -> str | None:
-    """With `fit`, lowers opts.cpus_per_thread until the replicas fit `cpus`; returns what to
-    say when they still do not (None: they fit)."""
-    reservation = cpu_reservation(specs, opts)
-    fitting = fitting_cpus_per_thread(reservation, cpus)
-    if fit and reservation.cpus > cpus and fitting > 0:
-        opts.cpus_per_thread = fitting
-        log.info("%d pool threads on %g CPUs: each reserves %g of a Ray CPU", reservation.threads, cpus, fitting)
-    return cpu_shortfall(cpu_reservation(specs, opts), cpus, opts)
+def _fit_cpus(specs: list, opts: BackendOptions, cluster: dict[str, float], fit: bool) -> str | None:
+    """With `fit`, lowers opts.cpus_per_thread until the replicas (an autoscaled pool's most
+    included) fit the cluster's CPUs; returns what to say when they still do not fit."""
+    res = reservation(specs, opts)
+    cpus = cluster.get("CPU", 0.0)
+    fitting = fitting_cpus_per_thread(res, cpus)
+    if fit and fitting > 0 and res.max_threads * opts.cpus_per_thread + res.ingress_cpus > cpus:
+        opts.cpus_per_thread = min(opts.cpus_per_thread, fitting)
+        log.info("%d pool threads on %g CPUs: each reserves %g of a Ray CPU", res.max_threads, cpus, fitting)
+    return shortfall(res, cluster, opts)
 
 
 def _deploy_until_stopped(source: PipelineSource, opts: BackendOptions, host: str, port: int, log_level: str) -> int:
-    """Run the application until SIGINT/SIGTERM, then delete it: 0, or 130 when stopped while
-    it was still deploying (serve.run waits for every replica: the signal interrupts that)."""
+    """Run the application until SIGINT/SIGTERM, then delete it. Deploying runs in a thread
+    (serve.run waits for every replica, maybe for ever), so a signal stops the wait without
+    interrupting Ray's own code. Returns 0, or 128 + the signal when it came before the
+    application was ready; a second signal gives up on the deletion too."""
     from ray import serve
 
     from omnistage.ray_serve.app import build_app
+    from omnistage.runtime.threads import start_background_thread
+    from omnistage.serving import interrupts
 
-    stop, deploying = threading.Event(), threading.Event()
+    signals: list[int] = []
+    stop, done = threading.Event(), threading.Event()
 
-    def on_signal(*_: Any) -> None:
+    def on_signal(signum: int, _frame: Any) -> None:
+        signals.append(signum)
         stop.set()
-        if deploying.is_set():
+        if len(signals) > 1:
             raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    serve.start(http_options={"host": host, "port": port})
-    args: dict[str, Any] = {**source.to_dict(), "options": opts.to_dict()}
-    # Serve logs every call between deployments at INFO: only with --log-level debug
-    logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
-    status = 0
-    deploying.set()
-    try:
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging_config)
-        deploying.clear()
-        log.info("serving %s on http://%s:%d through Ray Serve", ", ".join(source.configs), host, port)
-        stop.wait()
-    except KeyboardInterrupt:
+    interrupts.raise_if_interrupted()  # a Ctrl+C that the imports swallowed
+    failed: list[BaseException] = []
+
+    def deploy() -> None:
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            args: dict[str, Any] = {**source.to_dict(), "options": opts.to_dict()}
+            # Serve logs every call between deployments at INFO: only with --log-level debug
+            logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level == "debug"}
+            serve.run(build_app(args), name=APP_NAME, route_prefix="/", blocking=False, logging_config=logging_config)
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    start_background_thread(deploy, "omnistage-deploy")
+    while not (stop.wait(0.1) or done.is_set()):
+        pass
+    if failed and not stop.is_set():
+        raise failed[0]
+    status = 128 + signals[0] if signals and not done.is_set() else 0
+    if status:
         log.warning("stopped before the application was ready")
-        status = 130
-    deploying.clear()
+    else:
+        log.info("serving %s on http://%s:%d through Ray Serve", ", ".join(source.configs), host, port)
+        while not stop.wait(0.5):
+            pass
     log.info("stopping: deleting the Serve application")
     serve.delete(APP_NAME)
     return status

@@ -141,40 +141,63 @@ def ingress_options(opts: BackendOptions) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class CpuReservation:
-    """The Ray CPUs an application reserves as it starts, and the pool threads behind them."""
+class Reservation:
+    """What an application's replicas ask of Ray: pool threads (each reserving
+    cpus_per_thread CPUs) at the replicas' starting count and at their largest (autoscaling's
+    max_replicas), the ingress's CPUs, and GPUs and custom resources at the starting count."""
 
-    cpus: float  # stage replicas (at their starting count) and ingress replicas
-    threads: int  # pool threads over those stage replicas
+    threads: int
+    max_threads: int
     ingress_cpus: float
+    other: dict[str, float]
+
+    def cpus(self, cpus_per_thread: float) -> float:
+        return self.threads * cpus_per_thread + self.ingress_cpus
 
 
-def cpu_reservation(specs: list[PipelineSpec], opts: BackendOptions) -> CpuReservation:
-    threads = 0
+def reservation(specs: list[PipelineSpec], opts: BackendOptions) -> Reservation:
+    threads = max_threads = 0
+    other: dict[str, float] = {}
     for spec in specs:
         for stage in spec.stages.values():
-            scaling = stage.pool.autoscaling or {}
-            replicas = (
-                scaling.get("initial_replicas", scaling.get("min_replicas", 1)) if scaling else stage.pool.replicas
+            pool, scaling = stage.pool, stage.pool.autoscaling or {}
+            if scaling:  # Serve starts at initial_replicas, else min_replicas
+                start = int(scaling.get("initial_replicas", scaling.get("min_replicas", 1)))
+                most = int(scaling.get("max_replicas", start))
+            else:
+                start = most = max(1, int(pool.replicas))
+            threads += pool.threads * start
+            max_threads += pool.threads * max(start, most)
+            needs = dict(pool.resources or {})
+            if any(d.startswith("cuda") for d in pool.devices):
+                needs["GPU"] = needs.get("GPU", 0) + 1
+            for name, amount in needs.items():
+                other[name] = other.get(name, 0.0) + float(amount) * start
+    return Reservation(threads, max_threads, opts.ingress_cpus * opts.ingress_replicas, other)
+
+
+def fitting_cpus_per_thread(res: Reservation, cpus: float) -> float:
+    """The largest cpus_per_thread (in hundredths) at which every replica fits `cpus`, those
+    an autoscaled pool may add included."""
+    return int(100 * max(0.0, cpus - res.ingress_cpus) / max(1, res.max_threads)) / 100
+
+
+def shortfall(res: Reservation, cluster: dict[str, float], opts: BackendOptions) -> str | None:
+    """What to say when the replicas ask more than the cluster has (None: they fit)."""
+    cpus = cluster.get("CPU", 0.0)
+    if res.cpus(opts.cpus_per_thread) > cpus + 1e-9:
+        fitting = fitting_cpus_per_thread(res, cpus)
+        hint = f"--ray-cpus-per-thread {fitting:g}" if fitting > 0 else "fewer replicas"
+        return (
+            f"the application reserves {res.cpus(opts.cpus_per_thread):g} Ray CPUs ({res.threads} pool threads x "
+            f"--ray-cpus-per-thread {opts.cpus_per_thread:g}, plus the ingress) and Ray has {cpus:g}: "
+            f"the replicas that do not fit would wait to be scheduled forever. Try {hint}."
+        )
+    for name, need in sorted(res.other.items()):
+        if need > cluster.get(name, 0.0) + 1e-9:
+            what = "a cuda device" if name == "GPU" else f"the resource {name!r}"
+            return (
+                f"the application's replicas ask for {need:g} of {name} (pools with {what}) and Ray has "
+                f"{cluster.get(name, 0.0):g}: those replicas would wait to be scheduled forever."
             )
-            threads += stage.pool.threads * max(1, int(replicas))
-    ingress = opts.ingress_cpus * opts.ingress_replicas
-    return CpuReservation(threads * opts.cpus_per_thread + ingress, threads, ingress)
-
-
-def fitting_cpus_per_thread(reservation: CpuReservation, available: float) -> float:
-    """The largest cpus_per_thread (in hundredths) whose reservation fits `available` CPUs."""
-    return int(100 * max(0.0, available - reservation.ingress_cpus) / max(1, reservation.threads)) / 100
-
-
-def cpu_shortfall(reservation: CpuReservation, available: float, opts: BackendOptions) -> str | None:
-    """What to say when the application reserves more CPUs than Ray has (None: it fits)."""
-    if reservation.cpus <= available + 1e-9:
-        return None
-    fitting = fitting_cpus_per_thread(reservation, available)
-    hint = f"--ray-cpus-per-thread {fitting:g}" if fitting > 0 else "fewer replicas"
-    return (
-        f"the application reserves {reservation.cpus:g} Ray CPUs ({reservation.threads} pool threads x "
-        f"--ray-cpus-per-thread {opts.cpus_per_thread:g}, plus the ingress) and Ray has {available:g}: "
-        f"the replicas that do not fit would wait to be scheduled forever. Try {hint}."
-    )
+    return None

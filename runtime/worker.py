@@ -128,9 +128,12 @@ def build_engine(cfg: WorkerConfig) -> StageEngine:
     )
     # weights a factory initialises at random are the same in every replica, on every backend
     # and in every run: the generator starts from the stage's own seed, not from whatever the
-    # process did before (a Ray replica's interpreter differs from a forked embedded worker)
+    # process did before (a Ray replica's interpreter differs from a forked embedded worker).
+    # Then it is reseeded at random: an unseeded request samples anew in every replica and run.
     torch.manual_seed(stage_seed(cfg.spec.name, cfg.stage))
-    return get_stage_class(st.kind)(ctx)
+    engine = get_stage_class(st.kind)(ctx)
+    torch.seed()
+    return engine
 
 
 def stage_seed(pipeline: str, stage: str) -> int:

@@ -202,9 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     """The `omnistage` command. Ctrl+C before a command has set up its own handling (while a
     server imports its libraries, or during a benchmark) ends it with status 130 and no
     traceback, as a shell command's Ctrl+C does."""
-    from omnistage.serving import interrupts
-
-    interrupts.install()
     try:
         return _run(argv)
     except KeyboardInterrupt:
@@ -237,6 +234,10 @@ def _validate(files: list[str], overrides: list[str]) -> int:
 
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":  # before its seconds of imports (the benches keep asyncio's own Ctrl+C)
+        from omnistage.serving import interrupts
+
+        interrupts.install()
     _apply_jobs_options(args)
     if args.command in ("serve", "ray-config") and (args.command == "ray-config" or args.backend == "ray"):
         import importlib

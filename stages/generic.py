@@ -58,11 +58,14 @@ def load_factory(ref: str) -> Callable[..., Any]:
         raise StageConfigError(f"params.factory {ref!r}: cannot import {module_name!r} ({exc})") from None
     owner = module_name
     for part in attr.split("."):
-        if not hasattr(obj, part):
+        try:
+            obj, owner = getattr(obj, part), f"{owner}.{part}"
+        except AttributeError:
             close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise StageConfigError(f"params.factory {ref!r}: {owner!r} has no attribute {part!r}{hint}")
-        obj, owner = getattr(obj, part), f"{owner}.{part}"
+            raise StageConfigError(f"params.factory {ref!r}: {owner!r} has no attribute {part!r}{hint}") from None
+        except ImportError as exc:  # a lazily loaded attribute whose module fails to import
+            raise StageConfigError(f"params.factory {ref!r}: cannot import {part!r} ({exc})") from None
     return obj
 
 

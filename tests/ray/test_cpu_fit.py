@@ -9,21 +9,37 @@ import subprocess
 import sys
 
 from omnistage.graph.loader import load_pipeline
-from omnistage.ray_serve.options import BackendOptions, cpu_reservation, cpu_shortfall, fitting_cpus_per_thread
+from omnistage.ray_serve.options import BackendOptions, fitting_cpus_per_thread, reservation, shortfall
 
 
 def test_the_reservation_counts_every_replicas_threads_and_the_ingress():
     specs = [load_pipeline("tiny-llm"), load_pipeline("tiny-image", overrides=["stages.denoiser.pool.replicas=2"])]
     opts = BackendOptions(cpus_per_thread=1.0, ingress_replicas=2, ingress_cpus=0.25)
-    reservation = cpu_reservation(specs, opts)
+    res = reservation(specs, opts)
     threads = sum(s.pool.threads * s.pool.replicas for spec in specs for s in spec.stages.values())
-    assert reservation.threads == threads == 5
-    assert reservation.cpus == 5.5
-    assert cpu_shortfall(reservation, 6.0, opts) is None
-    fitting = fitting_cpus_per_thread(reservation, 2.0)
+    assert res.threads == res.max_threads == threads == 5
+    assert res.cpus(1.0) == 5.5
+    assert shortfall(res, {"CPU": 6.0}, opts) is None
+    fitting = fitting_cpus_per_thread(res, 2.0)
     assert fitting == 0.3  # 1.5 CPUs left by the ingress over 5 threads
-    assert f"--ray-cpus-per-thread {fitting:g}" in cpu_shortfall(reservation, 2.0, opts)
-    assert cpu_shortfall(cpu_reservation(specs, BackendOptions(fitting, 2, 0.25)), 2.0, opts) is None
+    assert f"--ray-cpus-per-thread {fitting:g}" in shortfall(res, {"CPU": 2.0}, opts)
+    assert shortfall(res, {"CPU": 2.0}, BackendOptions(fitting, 2, 0.25)) is None
+
+
+def test_autoscaled_pools_gpus_and_resources_are_counted():
+    scaled = "stages.llm.pool.autoscaling={min_replicas: 0, max_replicas: 4}"
+    llm = load_pipeline("tiny-llm", overrides=[scaled])
+    res = reservation([llm], BackendOptions())
+    assert (res.threads, res.max_threads) == (0, 4)  # Serve starts it at min_replicas
+    assert fitting_cpus_per_thread(res, 2.0) == 0.5  # room for the replicas it may add
+    gpu = load_pipeline(
+        "tiny-llm", overrides=["stages.llm.pool.devices=[cuda:0]", "stages.llm.pool.resources={accel: 2}"]
+    )
+    res = reservation([gpu], BackendOptions())
+    assert res.other == {"GPU": 1.0, "accel": 2.0}
+    assert "1 of GPU (pools with a cuda device) and Ray has 0" in shortfall(res, {"CPU": 2.0}, BackendOptions())
+    assert "'accel'" in shortfall(res, {"CPU": 2.0, "GPU": 1.0}, BackendOptions())
+    assert shortfall(res, {"CPU": 2.0, "GPU": 1.0, "accel": 2.0}, BackendOptions()) is None
 
 
 def test_serve_refuses_what_a_local_ray_cannot_schedule():

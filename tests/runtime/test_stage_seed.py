@@ -30,7 +30,11 @@ def test_random_weights_depend_on_the_stage_not_the_process(tmp_path):
         torch.rand(int(torch.randint(1, 100, ())))  # whatever the process drew before
         return build_engine(WorkerConfig(spec, stage, replica, "cpu", "test")).module.weight.detach().clone()
 
-    first = weight("a", 0)
-    assert torch.equal(weight("a", 1), first)  # another replica
-    assert torch.equal(weight("a", 0), first)  # the same replica again (a restart)
-    assert not torch.equal(weight("b", 0), first)  # another stage: its own draw
+    with torch.random.fork_rng():
+        first = weight("a", 0)
+        after_first = torch.rand(4)
+        assert torch.equal(weight("a", 0), first)  # the same replica again (a restart)
+        # what it draws afterwards (an unseeded request's sampling) differs from the last start
+        assert not torch.equal(torch.rand(4), after_first)
+        assert torch.equal(weight("a", 1), first)  # another replica
+        assert not torch.equal(weight("b", 0), first)  # another stage: its own draw
