@@ -24,10 +24,10 @@ _EXAMPLE_MESSAGES = [{"role": "user", "content": "Hello"}]
 
 def request_params_of(stage: Any) -> tuple[list[dict[str, Any]], bool]:
     """(declared per-request params of a stage, whether undeclared keys are accepted)."""
-    from omnistage.stages.registry import get_stage_class
+    from omnistage.stages.params import stage_request_params
 
     try:
-        request = get_stage_class(stage.kind).request_params_for(stage.params or {})
+        request = stage_request_params(stage)
     except KeyError:  # a kind that is not registered (a pipeline added as a built object)
         return [], True
     return request.describe(), bool(request.open)

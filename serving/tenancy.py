@@ -23,13 +23,13 @@ def salted(
 ) -> dict[str, dict[str, Any]]:
     """A copy of `params` in which each of `stages` (default: all of `spec`'s) that takes
     `cache_salt` has it prefixed by `owner`; `params` itself when `owner` is None."""
-    from omnistage.stages.params import kind_params
+    from omnistage.stages.params import stage_request_params
 
     if owner is None:
         return params
     out = {stage: dict(values) if isinstance(values, dict) else values for stage, values in params.items()}
     for stage in spec.stages if stages is None else stages:
-        if "cache_salt" not in kind_params(spec.stages[stage].kind).request:
+        if "cache_salt" not in stage_request_params(spec.stages[stage]):
             continue
         mine = out.setdefault(stage, {})
         if not isinstance(mine, dict):

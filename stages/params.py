@@ -374,6 +374,14 @@ def kind_params(kind: str) -> KindParams:
     return KindParams(kind, cls.stage_params, cls.request_params)
 
 
+def stage_request_params(stage: Any) -> ParamSet:
+    """What one request may send to a stage (a StageSpec): its kind's request params as its
+    YAML `params:` narrow them (KeyError for a kind that is not registered)."""
+    from omnistage.stages.registry import get_stage_class
+
+    return get_stage_class(stage.kind).request_params_for(stage.params or {})
+
+
 DOC_HEADER = """# Stage parameters
 
 Every stage kind declares its parameters in code (`stage_params` and `request_params` of its

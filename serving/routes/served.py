@@ -49,12 +49,12 @@ class Served:
     def stage_params(self, fields: dict[str, Any], stages: list[str] | None = None) -> dict[str, dict[str, Any]]:
         """Each `params:` stage (or each of `stages`) gets the fields its kind declares as
         per-request params. A field no listed stage takes is refused, naming it."""
-        from omnistage.stages.params import kind_params
+        from omnistage.stages.params import stage_request_params
 
         out: dict[str, dict[str, Any]] = {}
         taken: set[str] = set()
         for stage in self.serve.params if stages is None else stages:
-            declared = kind_params(self.spec.stages[stage].kind).request
+            declared = stage_request_params(self.spec.stages[stage])
             mine = {k: v for k, v in fields.items() if k in declared}
             taken |= set(mine)
             if mine:
