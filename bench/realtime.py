@@ -7,7 +7,8 @@ on, and plays every answer through a simulated player (playback starts with the 
 delta and runs in real time). Per session: `--turns` spoken turns; in the last one the user
 talks again as soon as the answer starts (barge-in). Per N sessions (all at once), over
 `--repeat` runs (median, min, max of each figure):
-- v2v_ms_p50 / p99: end of the user's speech (its last packet sent) to the answer's first
+- v2v_ms_p50 / p99: end of the user's speech (the packet holding the clip's last loud sample
+  sent; the clip's 0.28 s of trailing silence does not count as speech) to the answer's first
   audio delta; it includes the VAD's `silence_duration_ms` (`--silence-ms`, 200 here).
 - underrun_ms_total: over all sessions, the time the player had nothing to play between an
   answer's first audio delta and its last (a gap in the audio the user hears).
@@ -95,26 +96,29 @@ def _summary(e: dict[str, Any]) -> str:
     return " ".join(str(x) for x in (e["type"], rid[-8:], status) if x)
 
 
-def _clip() -> tuple[np.ndarray, int]:
+def _clip() -> tuple[np.ndarray, int, int]:
+    """The speech clip, and the indices of its first and last loud samples (onset, end)."""
     import soundfile
 
     samples, rate = soundfile.read(CLIP, dtype="int16")
     assert rate == RATE, f"{CLIP} must be {RATE} Hz"
     loud = np.nonzero(np.abs(samples) > 0.05 * np.abs(samples).max())[0]
-    return samples, int(loud[0])
+    return samples, int(loud[0]), int(loud[-1])
 
 
 class Microphone:
-    """Sends a 20 ms packet every 20 ms: queued speech, else silence. `said()` waits until
-    a clip has left and returns the send time of its last packet and of its onset packet."""
+    """Sends a 20 ms packet every 20 ms: queued speech, else silence. Notes when the packets
+    holding a clip's onset and its speech's end were sent; `sent` is set once the whole clip
+    has left."""
 
     def __init__(self, ws):
         self.ws, self.queue, self.sent = ws, [], asyncio.Event()
-        self.onset_at = self.last_at = 0.0
+        self.onset_at = self.end_at = 0.0
 
-    def say(self, samples: np.ndarray, onset: int) -> None:
+    def say(self, samples: np.ndarray, onset: int, end: int) -> None:
         packets = [samples[i : i + PACKET] for i in range(0, len(samples), PACKET)]
-        self.queue = [(p, i == onset // PACKET, i == len(packets) - 1) for i, p in enumerate(packets)]
+        marks = [(i == onset // PACKET, i == end // PACKET, i == len(packets) - 1) for i in range(len(packets))]
+        self.queue = [(p, *m) for p, m in zip(packets, marks)]
         self.sent.clear()
 
     async def run(self) -> None:
@@ -122,14 +126,15 @@ class Microphone:
         t0, n = loop.time(), 0
         silent = np.zeros(PACKET, dtype=np.int16)
         while True:
-            packet, onset, last = self.queue.pop(0) if self.queue else (silent, False, False)
+            packet, onset, end, last = self.queue.pop(0) if self.queue else (silent, False, False, False)
             audio = base64.b64encode(np.asarray(packet, dtype="<i2").tobytes()).decode()
             await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
             now = loop.time()
             if onset:
                 self.onset_at = now
+            if end:
+                self.end_at = now
             if last:
-                self.last_at = now
                 self.sent.set()
             n += 1
             await asyncio.sleep(max(0.0, t0 + n * PACKET_MS / 1000 - loop.time()))
@@ -181,7 +186,7 @@ async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tu
             log.audio_bytes += n
             if first is None:
                 first = now
-                log.v2v_ms.append((now - mic.last_at) * 1000)
+                log.v2v_ms.append((now - mic.end_at) * 1000)
                 if interrupt is not None:
                     mic.say(*interrupt)
             last_delta = now
@@ -205,7 +210,7 @@ async def _answer(ws, mic: Microphone, log: SessionLog, turn: int, interrupt: tu
 async def _session(url: str, plan: Plan, index: int, log: SessionLog) -> None:
     import websockets
 
-    samples, onset = _clip()
+    clip = _clip()
     headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else None
     # no keepalive pings: a loaded server may lag behind the microphone for seconds
     async with websockets.connect(url, max_size=None, ping_interval=None, additional_headers=headers) as ws:
@@ -223,9 +228,9 @@ async def _session(url: str, plan: Plan, index: int, log: SessionLog) -> None:
             await asyncio.sleep(0.05 * index)  # sessions do not all start speaking on the same packet
             for turn in range(plan.turns):
                 mic.onset_at = 0.0
-                mic.say(samples, onset)
+                mic.say(*clip)
                 await mic.sent.wait()
-                barge = (samples, onset) if turn == plan.turns - 1 else None
+                barge = clip if turn == plan.turns - 1 else None
                 spoke = await _answer(ws, mic, log, turn, barge, plan.event_timeout_s)
                 if barge is not None and spoke:
                     await _answer(ws, mic, log, turn + 1, None, plan.event_timeout_s)  # what the interruption asked

@@ -83,7 +83,6 @@ def check_params(spec: Any, params: Mapping[str, Any], *, queued: bool = False) 
     queued: also each kind's own checks from the stage's spec and checkpoint files
     (StageEngine.check_queued; e.g. a size beyond what the diffusion model covers), for a queue
     in front of a ready pipeline (the jobs API, a realtime session's settings)."""
-    from omnistage.stages.params import stage_request_params
     from omnistage.stages.registry import get_stage_class
 
     bad = set(params) - set(spec.stages)
@@ -107,7 +106,7 @@ def check_params(spec: Any, params: Mapping[str, Any], *, queued: bool = False) 
             continue
         merged = {**(spec.stages[stage].request_defaults or {}), **values}
         try:
-            stage_request_params(spec.stages[stage]).validate(merged)
+            kind.request_params_for(spec.stages[stage].params or {}).validate(merged)
             if queued:
                 kind.check_queued(spec.stages[stage], merged)
         except InvalidRequestError as exc:
