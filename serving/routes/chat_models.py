@@ -78,6 +78,12 @@ class AudioReference(BaseModel):
     expires_at: int | None = Field(default=None, description="ignored")
 
 
+_ASSISTANT_ONLY = {
+    "audio": "only an assistant message refers to an earlier spoken reply",
+    "refusal": "only an assistant message carries a refusal",
+}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -97,19 +103,12 @@ class ChatMessage(BaseModel):
             raise ValueError(f"a {info.data['role']} message needs content")
         return content
 
-    @field_validator("audio")
+    @field_validator("audio", "refusal")
     @classmethod
-    def _audio_of_assistant(cls, audio: Any, info: ValidationInfo) -> Any:
-        if audio is not None and info.data.get("role") != "assistant":
-            raise ValueError("only an assistant message refers to an earlier spoken reply")
-        return audio
-
-    @field_validator("refusal")
-    @classmethod
-    def _refusal_of_assistant(cls, refusal: Any, info: ValidationInfo) -> Any:
-        if refusal is not None and info.data.get("role") != "assistant":
-            raise ValueError("only an assistant message carries a refusal")
-        return refusal
+    def _of_assistant(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError(_ASSISTANT_ONLY[info.field_name])
+        return value
 
 
 class MMProcessorKwargs(BaseModel):
