@@ -156,23 +156,24 @@ class Reservation:
 
 
 def reservation(specs: list[PipelineSpec], opts: BackendOptions) -> Reservation:
+    """Read from the deployments' own options (stage_options), so it counts what they ask."""
     threads = max_threads = 0
     other: dict[str, float] = {}
     for spec in specs:
-        for stage in spec.stages.values():
-            pool, scaling = stage.pool, stage.pool.autoscaling or {}
+        for name, stage in spec.stages.items():
+            deployment = stage_options(spec, name, opts)
+            scaling = deployment.get("autoscaling_config")
             if scaling:  # Serve starts at initial_replicas, else min_replicas
                 start = int(scaling.get("initial_replicas", scaling.get("min_replicas", 1)))
                 most = int(scaling.get("max_replicas", start))
             else:
-                start = most = max(1, int(pool.replicas))
-            threads += pool.threads * start
-            max_threads += pool.threads * max(start, most)
-            needs = dict(pool.resources or {})
-            if any(d.startswith("cuda") for d in pool.devices):
-                needs["GPU"] = needs.get("GPU", 0) + 1
-            for name, amount in needs.items():
-                other[name] = other.get(name, 0.0) + float(amount) * start
+                start = most = deployment["num_replicas"]
+            threads += stage.pool.threads * start
+            max_threads += stage.pool.threads * max(start, most)
+            actor = deployment["ray_actor_options"]
+            needs = {**actor.get("resources", {}), **({"GPU": actor["num_gpus"]} if "num_gpus" in actor else {})}
+            for resource, amount in needs.items():
+                other[resource] = other.get(resource, 0.0) + float(amount) * start
     return Reservation(threads, max_threads, opts.ingress_cpus * opts.ingress_replicas, other)
 
 
