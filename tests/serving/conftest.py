@@ -135,8 +135,8 @@ def start_server(args: list[str], log_path: Path, port: int | None = None) -> Se
 
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory):
-    """tests/serving/slow-scale.yaml served with its first stage sleeping 0.2 s per call
-    (requests may ask for longer with params {"slow": {"delay_s": ...}})."""
+    """tests/serving/slow-scale.yaml served with its first stage taking 2 s to build and
+    sleeping 0.2 s per call (requests may ask for longer with params {"slow": {"delay_s": ...}})."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
     server = start_server(
         [
@@ -145,6 +145,9 @@ def slow_server(tmp_path_factory):
             "30",
             "--set",
             "slow-scale:stages.slow.params.kwargs.delay_s=0.2",
+            # a stage that takes seconds to build, so /ready is seen at 503 whatever the load
+            "--set",
+            "slow-scale:stages.slow.params.kwargs.build_delay_s=2",
         ],
         log_path,
     )

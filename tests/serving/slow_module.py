@@ -15,10 +15,13 @@ class SlowScale(torch.nn.Module):
     """y = x * factor, after sleeping `delay_s` (per call) to keep a request in flight.
 
     Built with `pass_params: true`, a request may set its own {"delay_s": ...}.
+    `build_delay_s` sleeps once while the worker builds the module, so the stage stays
+    not-ready that long.
     """
 
-    def __init__(self, factor: float = 2.0, delay_s: float = 0.0):
+    def __init__(self, factor: float = 2.0, delay_s: float = 0.0, build_delay_s: float = 0.0):
         super().__init__()
+        time.sleep(build_delay_s)
         self.factor = factor
         self.delay_s = delay_s
 

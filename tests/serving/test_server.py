@@ -46,7 +46,7 @@ def _assert_openai_error(response: httpx.Response, status: int, code: str | None
 def test_health_answers_while_pipelines_load(slow_server):
     probes = slow_server.probes
     assert probes, "no probe answered"
-    # Worker processes take seconds to start: liveness answered 200 while readiness was 503.
+    # The slow stage takes 2 s to build: liveness answered 200 while readiness was 503.
     assert any(h == 200 and r == 503 for _, h, r in probes), probes[:5]
     assert probes[-1][1:] == (200, 200)
     ready = httpx.get(f"{slow_server.url}/ready").json()
