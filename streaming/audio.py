@@ -125,7 +125,8 @@ def encode_audio(audio: Any, sample_rate: int, fmt: str = "wav", *, bitrate: int
         # packed s16 wants one row of interleaved samples: (samples, channels) flattened
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm.reshape(1, -1)), format="s16", layout=layout)
         frame.sample_rate = int(sample_rate)
-        for chunk in (*resampler.resample(frame), *resampler.resample(None)):
+        chunks = (*resampler.resample(frame), *resampler.resample(None)) if pcm.size else ()
+        for chunk in chunks:  # an empty clip is only the container's header (FFmpeg refuses 0 samples)
             container.mux(stream.encode(chunk))
         container.mux(stream.encode(None))
     return buf.getvalue()

@@ -112,6 +112,20 @@ def test_lossy_formats_decode_close_to_input(fmt, codec, min_snr_db):
     assert _aligned_snr_db(decoded, reference) >= min_snr_db
 
 
+def test_an_empty_clip_encodes_to_an_empty_stream():
+    """A talker may end at its first step: the answer is an empty stream, not an FFmpeg error."""
+    empty = np.zeros(0, np.float32)
+    data, sr = sf.read(io.BytesIO(encode_audio(empty, 24000, "wav")), dtype="int16")
+    assert sr == 24000 and len(data) == 0
+    import av
+
+    with av.open(io.BytesIO(encode_audio(empty, 24000, "flac"))) as container:  # the header alone
+        assert container.streams.audio[0].sample_rate == 24000
+        assert not list(container.decode(audio=0))
+    for fmt in ("mp3", "aac", "opus"):  # frame streams without a frame
+        assert encode_audio(empty, 24000, fmt) == b""
+
+
 def test_unsupported_audio_format():
     with pytest.raises(ValueError, match="unsupported audio format"):
         encode_audio(np.zeros(10, np.float32), 16000, "ogg-vorbis")
