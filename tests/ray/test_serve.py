@@ -245,12 +245,14 @@ def test_the_cli_serves_on_a_running_cluster(ray_app, tmp_path):
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address, "PYTHONSAFEPATH": "1"}
     env["OMNISTAGE_JOBS_DIR"] = str(jobs_dir)
     cmd = [sys.executable, "-m", "omnistage.serving.cli", "serve", "--backend", "ray", "tiny-llm"]
-    cmd += ["--ray-cpus-per-thread", "0.2", "--log-level", "warning"]
+    cmd += ["--ray-cpus-per-thread", "0.2", "--log-level", "info"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()
     try:
         end = time.monotonic() + 180
         while True:  # the application now holds tiny-llm only
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, "".join(output)
             try:
                 models = httpx.get(ray_app.url + "/v1/models", timeout=5).json()
                 if [m["id"] for m in models.get("data", [])] == ["tiny-llm"] and ray_app.wait_ready(1):
@@ -273,8 +275,14 @@ def test_the_cli_serves_on_a_running_cluster(ray_app, tmp_path):
             assert time.monotonic() < end, status
             time.sleep(0.2)
         assert status == "completed" and any(jobs_dir.iterdir())  # the ingress got the CLI's setting
+        # the ingress answers before serve.run has seen the replaced deployments go: a signal
+        # before the CLI says it is serving is an early stop (exit 143)
+        end = time.monotonic() + 120
+        while not any("through Ray Serve" in line for line in output):
+            assert time.monotonic() < end and proc.poll() is None, "".join(output)
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+        assert proc.wait(120) == 0, "".join(output)
         assert "omnistage" not in serve.status().applications
         assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 2
     finally:
