@@ -68,5 +68,10 @@ class LiveAudio:
         return True
 
     def finish(self) -> None:
-        """Nothing to add: the finished file is written from the whole clip (with its real length);
-        `done` is set by the scheduler once the job's end is stored."""
+        """The finished file is written from the whole clip (with its real length); a wav stream
+        that got no audio (a talker may end at its first step) still gets its header, so every
+        listener has a WAV. `done` is set by the scheduler once the job's end is stored."""
+        from omnistage.streaming.audio import wav_stream_header
+
+        if not self.segments and self.fmt == "wav":
+            self.segments.append(wav_stream_header(self.sample_rate))

@@ -63,3 +63,19 @@ def test_speech_streams_as_pcm16_chunks_equal_to_the_finished_file(omni_server, 
     else:
         got, want = np.frombuffer(streamed, "<i2"), np.frombuffer(finished, "<i2")
     assert want.size > 2400 and np.array_equal(got.reshape(-1), want.reshape(-1))
+
+
+@pytest.mark.parametrize("chunks", [[], [np.zeros(0, np.float32)], [np.full(480, 0.25, np.float32)] * 2])
+def test_a_wav_stream_is_one_wav_even_without_audio(chunks):
+    """A talker may end at its first step: the listener still gets a WAV (the header, no
+    samples); with audio, finishing adds nothing to the stream."""
+    from omnistage.serving.jobs.live import LiveAudio
+
+    live = LiveAudio("audio", 24000, "wav")
+    for chunk in chunks:
+        live.push(chunk)
+    live.finish()
+    samples, rate = sf.read(io.BytesIO(b"".join(live.segments)), dtype="int16")
+    expected = np.concatenate([*chunks, np.zeros(0, np.float32)])
+    assert rate == 24000 and len(samples) == len(expected)
+    np.testing.assert_array_equal(samples, np.round(expected * 32767).astype(np.int16))
