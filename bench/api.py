@@ -19,6 +19,9 @@ Each level also reports the CPU time per completion token of every process takin
 (`cpu_us_per_token`: the caller or client in this process, the server's main process, the
 stage workers), and the run records the load average at its start and end: on a shared machine
 the wall-clock figures move with the load, the CPU cost per token much less.
+`--server-cpus LIST --worker-cpus LIST` place the processes (docs/serving.md, "CPU placement"):
+the server runs with `--cpus`, and the LLM stage's workers of both systems with `pool.cpus`;
+the caller and the client stay where the OS puts them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,21 @@ PROMPTS = [
     "What is a paged KV cache?",
     "Translate 'good morning' to French.",
 ]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the processes run: the server's --cpus and the LLM workers' pool.cpus (None: anywhere)."""
+
+    server_cpus: str | None = None
+    worker_cpus: str | None = None
+
+    def overrides(self) -> list[str]:
+        return [f"stages.llm.pool.cpus={self.worker_cpus}"] if self.worker_cpus else []
+
+    def serve_args(self) -> list[str]:
+        args = ["--cpus", self.server_cpus] if self.server_cpus else []
+        return args + [f"--set={o}" for o in self.overrides()]
 
 
 @dataclass(frozen=True)
@@ -181,11 +199,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(port: int, log_dir: Path) -> subprocess.Popen:
+def _serve(port: int, log_dir: Path, placement: Placement) -> subprocess.Popen:
     env = {**os.environ, "PYTHONSAFEPATH": "1", "OMNISTAGE_JOBS_DIR": str(log_dir / "jobs")}
     omnistage = Path(sys.executable).parent / "omnistage"
     log = open(log_dir / "server.log", "wb")
     cmd = [str(omnistage), "serve", "tiny-llm", "--port", str(port), "--log-level", "warning"]
+    cmd += placement.serve_args()
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -229,16 +248,19 @@ def _spread(values: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def run_bench(quick: bool, progress: bool = True, repeats: int | None = None) -> dict[str, Any]:
+def run_bench(
+    quick: bool, progress: bool = True, repeats: int | None = None, placement: Placement | None = None
+) -> dict[str, Any]:
     from omnistage import Pipeline
 
+    placement = placement or Placement()
     plan = Plan.make(quick)
     repeats = repeats or (1 if quick else 3)
     runs: list[dict[str, Any]] = []
     load_start = os.getloadavg()
-    with Pipeline.from_yaml("tiny-llm") as pipeline, tempfile.TemporaryDirectory() as tmp:
+    with Pipeline.from_yaml("tiny-llm", placement.overrides()) as pipeline, tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
-        proc = _serve(port, Path(tmp))
+        proc = _serve(port, Path(tmp), placement)
         workers = [pid for pids in pipeline.worker_pids().values() for pid in pids if pid is not None]
         python_processes = {"caller": [os.getpid()], "stage_workers": workers}
         try:
@@ -261,6 +283,7 @@ def run_bench(quick: bool, progress: bool = True, repeats: int | None = None) ->
         "bench": "api",
         "quick": quick,
         "plan": {"concurrencies": list(plan.concurrencies), "max_tokens": plan.max_tokens, "repeats": repeats},
+        "placement": {"server_cpus": placement.server_cpus, "worker_cpus": placement.worker_cpus},
         "systems": {"python": middle["python"], "http": middle["http"]},
         "runs": runs,
         "ratios": {"http_vs_python_throughput_c64": ratio},
@@ -279,10 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", help="write the results to this file")
     ap.add_argument("--repeats", type=int, default=None, help="python/http phase pairs (default 3; --quick: 1)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--server-cpus", metavar="LIST", help="the server's CPUs (its --cpus), e.g. 0")
+    ap.add_argument("--worker-cpus", metavar="LIST", help="the LLM stage workers' CPUs (pool.cpus), e.g. 1")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    result = run_bench(quick=args.quick, progress=not args.no_progress, repeats=args.repeats)
+    placement = Placement(args.server_cpus, args.worker_cpus)
+    result = run_bench(quick=args.quick, progress=not args.no_progress, repeats=args.repeats, placement=placement)
     result["command"] = "omnistage bench api " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ Each section (the top level, a stage, a pool, ...) maps key -> Field. Scalar con
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from omnistage.graph.spec import BATCHING_POLICIES, DTYPES
@@ -90,6 +91,11 @@ POOL = {
     "replicas": Field("integer", "Worker processes for this stage. Default 1.", minimum=1),
     "dtype": Field("string", "Weight/activation dtype. Default float32.", enum=DTYPES),
     "threads": Field("integer", "torch intra-op threads per worker. Default 1.", minimum=1),
+    "cpus": Field(
+        "special",
+        "CPU affinity of each worker, a list of CPU ids or a string like `1` or `0-3,6` (embedded runtime, "
+        "Linux). Default: every CPU the server may use.",
+    ),
     "memory": Field("special", "Memory budget per replica, e.g. `2GiB` (KV pools size from it)."),
     "step_timeout_s": Field(
         "number",
@@ -191,3 +197,21 @@ LIMITS = {
         "number", "Default per-request deadline in seconds (null: none).", exclusive_minimum=0, nullable=True
     ),
 }
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """`0-3,6` (the form of taskset -c and cpusets) -> [0, 1, 2, 3, 6]."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list like 0-3,6")
+        low, high = int(first), int(last) if sep else int(first)
+        if high < low:
+            raise ValueError(f"{text!r}: the range {part.strip()} runs backwards")
+        cpus.update(range(low, high + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))

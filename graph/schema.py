@@ -115,6 +115,15 @@ def _pool() -> dict[str, Any]:
                 }
                 for key in ("memory", "max_rss")
             },
+            "cpus": {
+                "description": F.POOL["cpus"].doc,
+                "anyOf": [
+                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                    {"type": "integer", "minimum": 0},
+                    {"type": "string", "pattern": r"^\s*[0-9]+(-[0-9]+)?(\s*,\s*[0-9]+(-[0-9]+)?)*\s*$"},
+                    _ENV_REF,
+                ],
+            },
             "autoscaling": _object(F.AUTOSCALING, {}),
             "resources": {
                 "description": F.POOL["resources"].doc,

@@ -54,6 +54,7 @@ class PoolSpec:
     replicas: int = 1
     dtype: str = "float32"
     threads: int = 1  # torch intra-op threads per worker process
+    cpus: list[int] | None = None  # CPU affinity of each worker (runtime/cpu_affinity.py); None: the server's
     memory: str | None = None  # optional budget, e.g. "2GiB" (KV pools size from it)
     step_timeout_s: float | None = 300.0  # watchdog on one engine step; None: off
     max_rss: str | None = None  # past it the worker is recycled between requests

@@ -237,6 +237,8 @@ def _pool(node: Node, where: str, report: Report) -> PoolSpec:
         devices = _devices(m.get("devices"), f"{where}.devices", report)
         if devices:
             pool.devices = devices
+    if m.get("cpus") is not None:
+        pool.cpus = _cpus(m.get("cpus"), f"{where}.cpus", report)  # that they exist: at start
     if m.get("memory") is not None:
         pool.memory = _memory(m.get("memory"), f"{where}.memory", report)
     if m.get("max_rss") is not None:
@@ -246,6 +248,29 @@ def _pool(node: Node, where: str, report: Report) -> PoolSpec:
     if m.get("resources") is not None:
         pool.resources = _resources(m.get("resources"), f"{where}.resources", report)
     return pool
+
+
+def _cpus(node: Node, where: str, report: Report) -> list[int] | None:
+    value = node.value if isinstance(node, ScalarNode) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return [value]
+    if isinstance(value, str):
+        try:
+            return F.parse_cpu_list(value)
+        except ValueError as err:
+            report.add(node.pos, f"{where}: {err}")
+            return None
+    if isinstance(node, SeqNode) and node.items:
+        cpus = []
+        for item in node.items:
+            v = item.value if isinstance(item, ScalarNode) else None
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                report.add(item.pos, f"{where}: a CPU id must be an integer >= 0, got {describe(item)}")
+                return None
+            cpus.append(v)
+        return sorted(set(cpus))
+    report.add(node.pos, f"{where} must be a list of CPU ids or a string like 0-3,6, got {describe(node)}")
+    return None
 
 
 def _resources(node: Node, where: str, report: Report) -> dict | None:

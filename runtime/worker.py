@@ -14,6 +14,7 @@ engine; credit for the chunks this worker's engine took goes back after its next
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ from omnistage.errors import StageConfigError, one_line_error
 from omnistage.graph.spec import PipelineSpec
 from omnistage.runtime.allocator import apply_allocator_defaults
 from omnistage.runtime.assembler import InputAssembler
+from omnistage.runtime.cpu_affinity import pin_worker
 from omnistage.runtime.credit import ReturnCredit, SendCredit
 from omnistage.runtime.messages import (
     Abort,
@@ -97,6 +99,7 @@ def build_engine(cfg: WorkerConfig) -> StageEngine:
     from omnistage.stages.registry import get_stage_class
 
     st = cfg.spec.stages[cfg.stage]
+    pin_worker(st.pool.cpus, f"stage {cfg.stage!r} replica {cfg.replica}")
     device = torch.device(cfg.device)
     if device.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -491,9 +494,7 @@ def worker_main(cfg: WorkerConfig, conn, worker_cls: type[Worker] = Worker) -> N
     apply_allocator_defaults()  # before the engine allocates anything
     threads = max(1, int(cfg.spec.stages[cfg.stage].pool.threads))
     torch.set_num_threads(threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
     worker_cls(cfg, conn).run()
     conn.close()

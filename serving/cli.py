@@ -22,6 +22,16 @@ def _add_overrides(p: argparse.ArgumentParser) -> None:
     )
 
 
+def cpu_list(text: str) -> list[int]:
+    from omnistage.graph.fields import parse_cpu_list
+    from omnistage.runtime.cpu_affinity import check_cpus
+
+    try:
+        return sorted(check_cpus(parse_cpu_list(text)))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def port_number(text: str) -> int:
     """argparse type of a TCP port: 1..65535 (0 would pick a random one, and uvicorn reports
     the number it was given, not the port it got)."""
@@ -121,6 +131,14 @@ def _add_serve_parser(sub) -> None:
         help="seconds a pipeline may take to load before it is marked failed (default 600)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--cpus",
+        type=cpu_list,
+        default=None,
+        metavar="LIST",
+        help="CPUs of the server process itself, e.g. 0 or 0-1 (Linux; stage workers keep the rest "
+        "unless their pool.cpus says otherwise; embedded runtime)",
+    )
     p.add_argument(
         "--max-body-bytes",
         type=int,
@@ -257,6 +275,10 @@ def _run(argv: list[str] | None) -> int:
         # the workers' fork server imports its seconds of libraries while this process imports
         # its own (runtime/fork_server.py); it inherits the environment set here
         quiet_for_log_level(args.log_level)
+        if args.cpus is not None:  # before the fork server, which passes the CPUs it had to workers
+            from omnistage.runtime.cpu_affinity import pin_process
+
+            pin_process(args.cpus)
         start_for_files(args.configs or default_config_paths(), args.overrides)
         from omnistage.serving.server import serve
 

@@ -49,3 +49,27 @@ def test_quick_bench_writes_both_systems(tmp_path):
         spread = result["spread"][key]
         assert reported == spread["median"] == statistics.median(values)
         assert (spread["min"], spread["max"]) == (min(values), max(values))
+
+
+def test_quick_bench_with_the_processes_placed(tmp_path):
+    """--server-cpus / --worker-cpus: both systems answer in full and the JSON says where they ran."""
+    import pytest
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two CPUs")
+    out = tmp_path / "api.json"
+    omnistage = Path(sys.executable).parent / "omnistage"
+    cmd = [str(omnistage), "bench", "api", "--quick", "--no-progress", "--json", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--server-cpus", "0", "--worker-cpus", "1"],
+        env={**os.environ, "PYTHONSAFEPATH": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["placement"] == {"server_cpus": "0", "worker_cpus": "1"}
+    run = result["runs"][0]
+    expected = run["python"]["c4"]["requests"] * result["plan"]["max_tokens"]
+    assert run["python"]["c4"]["tokens"] == run["http"]["c4"]["tokens"] == expected

@@ -395,6 +395,22 @@ def test_malformed_device_names(tmp_path):
     assert spec.stages["voc"].pool.devices == ["cuda:0", "cuda:7"]
 
 
+def test_pool_cpus_forms_and_errors(tmp_path):
+    for text, cpus in (("[1, 0, 1]", [0, 1]), ("1", [1]), ('"0-2,5"', [0, 1, 2, 5]), ('" 3 "', [3])):
+        spec = load_pipeline(write(tmp_path, GOOD.replace("devices: [cpu]", f"devices: [cpu], cpus: {text}")))
+        assert spec.stages["voc"].pool.cpus == cpus, text
+    assert load_pipeline(write(tmp_path, GOOD)).stages["voc"].pool.cpus is None
+    f, lines = problems(tmp_path, GOOD.replace("devices: [cpu]", "devices: [cpu], cpus: [1, -1]"))
+    has(lines, f"{f}:14:38:", "voc.pool.cpus: a CPU id must be an integer >= 0, got")
+    f, lines = problems(tmp_path, GOOD.replace("devices: [cpu]", 'devices: [cpu], cpus: "2-0"'))
+    has(lines, f"{f}:14:34:", "voc.pool.cpus: '2-0': the range 2-0 runs backwards")
+    f, lines = problems(tmp_path, GOOD.replace("devices: [cpu]", "devices: [cpu], cpus: {a: 1}"))
+    has(lines, f"{f}:14:34:", "voc.pool.cpus must be a list of CPU ids")
+    # CPUs this machine lacks validate (the file may be for another machine): checked at start
+    spec = load_pipeline(write(tmp_path, GOOD.replace("devices: [cpu]", "devices: [cpu], cpus: [4096]")))
+    assert spec.stages["voc"].pool.cpus == [4096]
+
+
 def test_batching_policy_not_supported_by_kind(tmp_path):
     f, lines = problems(
         tmp_path, GOOD.replace("{policy: continuous, max_num_seqs: 4}", "{policy: dynamic, max_batch_size: 4}")
