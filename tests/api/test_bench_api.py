@@ -10,19 +10,26 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
-def test_quick_bench_writes_both_systems(tmp_path):
+
+def _quick_bench(tmp_path: Path, *args: str) -> dict:
+    """`omnistage bench api --quick ARGS`, its JSON."""
     out = tmp_path / "api.json"
     omnistage = Path(sys.executable).parent / "omnistage"
     proc = subprocess.run(
-        [str(omnistage), "bench", "api", "--quick", "--repeats", "2", "--no-progress", "--json", str(out)],
+        [str(omnistage), "bench", "api", "--quick", *args, "--no-progress", "--json", str(out)],
         env={**os.environ, "PYTHONSAFEPATH": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_quick_bench_writes_both_systems(tmp_path):
+    result = _quick_bench(tmp_path, "--repeats", "2")
     assert len(result["runs"]) == result["plan"]["repeats"] == 2
     for run in result["runs"]:
         python, http = run["python"], run["http"]
@@ -53,22 +60,9 @@ def test_quick_bench_writes_both_systems(tmp_path):
 
 def test_quick_bench_with_the_processes_placed(tmp_path):
     """--server-cpus / --worker-cpus: both systems answer in full and the JSON says where they ran."""
-    import pytest
-
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two CPUs")
-    out = tmp_path / "api.json"
-    omnistage = Path(sys.executable).parent / "omnistage"
-    cmd = [str(omnistage), "bench", "api", "--quick", "--no-progress", "--json", str(out)]
-    proc = subprocess.run(
-        [*cmd, "--server-cpus", "0", "--worker-cpus", "1"],
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = _quick_bench(tmp_path, "--server-cpus", "0", "--worker-cpus", "1")
     assert result["placement"] == {"server_cpus": "0", "worker_cpus": "1"}
     run = result["runs"][0]
     expected = run["python"]["c4"]["requests"] * result["plan"]["max_tokens"]

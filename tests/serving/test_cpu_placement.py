@@ -3,35 +3,13 @@
 (the kernel's affinity of each process, read from /proc, is the judge)."""
 
 import os
-from pathlib import Path
 
 import httpx
 import pytest
 
-from omnistage.tests.serving.conftest import start_server
+from omnistage.tests.serving.conftest import cmdline, descendants, start_server
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int(next(li for li in (entry / "status").read_text().splitlines() if li.startswith("PPid:"))[5:])
-            except (OSError, StopIteration):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def _title(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
 def test_serve_places_the_server_and_the_stage_workers(tmp_path):
@@ -41,7 +19,7 @@ def test_serve_places_the_server_and_the_stage_workers(tmp_path):
     try:
         server.wait_ready()
         assert os.sched_getaffinity(server.proc.pid) == {0}
-        workers = {pid: _title(pid) for pid in _descendants(server.proc.pid) if "tiny-diamond/" in _title(pid)}
+        workers = {pid: cmdline(pid) for pid in descendants(server.proc.pid) if "tiny-diamond/" in cmdline(pid)}
         dense = [pid for pid, title in workers.items() if "tiny-diamond/dense" in title]
         others = [pid for pid in workers if pid not in dense]
         assert dense and len(others) >= 3, workers
