@@ -71,6 +71,7 @@ class Replica:
     pid: int | None = None
     pending: list = field(default_factory=list)  # messages held while the worker starts
     requests: set = field(default_factory=set)  # request ids routed here, not finished here
+    routed: int = 0  # requests routed here so far: breaks ties between equally loaded replicas
     last_stats: dict = field(default_factory=dict)
     step_clock: StepClock | None = None  # the current process's step start (the watchdog reads it)
     health: Health = field(default_factory=Health)  # the current process's watchdog / recycle state

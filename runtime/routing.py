@@ -132,9 +132,12 @@ class Router:
             reps = [x for x in self.replicas[stage] if x.state is not ReplicaState.DEAD]
             fresh = [x for x in reps if x.ready and not x.health.draining]  # a draining one takes nothing new
             ready = fresh or [x for x in reps if x.ready] or reps or self.replicas[stage]
-            r = min(ready, key=lambda x: len(x.requests))
+            # fewest in flight; among those, the one given fewest so far, or short requests
+            # arriving one at a time would all land on the first replica
+            r = min(ready, key=lambda x: (len(x.requests), x.routed))
             req.replicas[stage] = r
             r.requests.add(req.rid)
+            r.routed += 1
         return r
 
     def send(self, r: Replica, msg) -> None:

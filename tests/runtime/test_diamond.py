@@ -259,3 +259,16 @@ def test_workers_freeze_their_startup_heap(diamond):
     for stage, reps in diamond.replica_stats().items():
         for r in reps:
             assert r["gc_frozen_objects"] > 10_000, (stage, r["gc_frozen_objects"])
+
+
+def test_requests_one_at_a_time_alternate_between_idle_replicas():
+    """Both `dense` replicas idle for every request: the hub spreads them (judged by each
+    worker's own count of finished requests), not all to the first one."""
+    from omnistage.runtime.pipeline import Pipeline
+
+    with Pipeline.from_yaml("tiny-diamond", ready_timeout=120) as p:
+        for _ in range(6):
+            x = torch.randn(5, 8)
+            assert_matches(p.run({"x": x}, timeout=30), x)
+        served = [r["outcomes"]["ok"] for r in p.replica_stats()["dense"]]
+    assert served == [3, 3], served
