@@ -47,10 +47,17 @@ _WINDOW_AND_ODE = (
     ),
     Param("first_window_blocks", "integer", _WINDOW.first_blocks, "DiT blocks in a request's first window.", minimum=1),
     Param(
+        "first_windows",
+        "integer",
+        _WINDOW.first_count,
+        "Windows of first_window_blocks before the sizes start doubling.",
+        minimum=1,
+    ),
+    Param(
         "window_blocks",
         "integer",
         _WINDOW.steady_blocks,
-        "DiT blocks of the steady windows (after the first, each window doubles up to this).",
+        "DiT blocks of the steady windows (after the first ones, each window doubles up to this).",
         minimum=1,
     ),
     Param("past_blocks", "integer", _WINDOW.past_blocks, "Blocks of left context a window attends to.", minimum=0),
@@ -160,6 +167,7 @@ class Token2WavStage(StageEngine):
         ode = replace(ode, **{k: merged[k] for k in ("num_steps", "guidance_scale", "sway_coefficient") if k in merged})
         keys = {
             "first_window_blocks": "first_blocks",
+            "first_windows": "first_count",
             "window_blocks": "steady_blocks",
             "past_blocks": "past_blocks",
             "future_blocks": "future_blocks",

@@ -25,6 +25,7 @@ class WindowSettings:
     """Window sizes in DiT blocks (mel frames for the vocoder overlap)."""
 
     first_blocks: int = 2
+    first_count: int = 1  # windows of first_blocks before the sizes start doubling
     steady_blocks: int = 8
     past_blocks: int = 2
     future_blocks: int = 1
@@ -57,15 +58,17 @@ def plan_dit_window(done: int, known: int, ended: bool, block: int, w: WindowSet
 
 
 def window_blocks_after(done_blocks: int, w: WindowSettings) -> int:
-    """Blocks of the window that starts after `done_blocks`: the first window's, then each
-    window twice the one before until the steady size. The first audio waits only for a short
-    window, the ones right after it still come soon (the listener has little audio buffered),
-    and the rest are long: a window's past and future context is computed again for every
-    window, so long windows cost less per second of speech."""
-    size, at = w.first_blocks, 0
+    """Blocks of the window that starts after `done_blocks`: `first_count` windows of the
+    first size, then each window twice the one before until the steady size. The first audio
+    waits only for a short window, the ones right after it still come soon (the listener has
+    little audio buffered), and the rest are long: a window's past and future context is
+    computed again for every window, so long windows cost less per second of speech."""
+    size, at, windows = w.first_blocks, 0, 0
     while at < done_blocks:
         at += size
-        size = min(2 * size, w.steady_blocks)
+        windows += 1
+        if windows >= w.first_count:
+            size = min(2 * size, w.steady_blocks)
     return size
 
 

@@ -41,6 +41,11 @@ def test_dit_windows_are_block_aligned_and_wait_for_future_context():
     # the end of the stream: no future context to wait for, clipped to the codes
     assert plan_dit_window(72, 130, True, 24, w) == Span(72, 130, 24, 130)
     assert plan_dit_window(130, 130, True, 24, w) is None
+    # first_count windows of the first size before the doubling: 1, 1, 2, 3 blocks
+    twice = WindowSettings(first_blocks=1, first_count=2, steady_blocks=3, past_blocks=2, future_blocks=1)
+    assert plan_dit_window(24, 500, False, 24, twice) == Span(24, 48, 0, 72)
+    assert plan_dit_window(48, 500, False, 24, twice) == Span(48, 96, 0, 120)
+    assert plan_dit_window(96, 500, False, 24, twice) == Span(96, 168, 48, 192)
     full = WindowSettings(full=True)
     assert plan_dit_window(0, 500, False, 24, full) is None
     assert plan_dit_window(0, 500, True, 24, full) == Span(0, 500, 0, 500)
