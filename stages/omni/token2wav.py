@@ -158,6 +158,7 @@ class Token2WavStage(StageEngine):
         self.vocoder_batch_size = p["vocoder_batch_size"]
         self.requests: dict[str, Token2WavRequest] = {}
         self._pending: list[Emission] = []
+        self._vocode_rest = False  # the last step sent first audio ahead of other windows
         self.totals = {"forwards": 0, "windows": 0, "max_windows_per_forward": 0, "audio_seconds": 0.0}
 
     # -- requests -------------------------------------------------------------------------
@@ -283,6 +284,9 @@ class Token2WavStage(StageEngine):
 
     def step(self) -> list[Emission]:
         emissions, self._pending = self._pending, []
+        if self._vocode_rest:
+            self._vocode_rest = False
+            return emissions + self._vocode_ready()
         picked = self._pick_windows()
         if picked:
             t0 = time.perf_counter()
@@ -293,7 +297,7 @@ class Token2WavStage(StageEngine):
             for (state, span, _), mel in zip(picked, mels):
                 state.take_mel(span, mel)
             self._record(picked, time.perf_counter() - t0)
-        emissions += self._vocode_ready()
+        emissions += self._vocode_ready(first_audio_ahead=True)
         return emissions
 
     def _record(self, picked, seconds: float) -> None:
@@ -304,14 +308,19 @@ class Token2WavStage(StageEngine):
         ids = tuple(s.request_id for s, _, _ in picked)
         self.step_log.append(StepRecord(ids, len(picked), seconds, {"frames": frames}))
 
-    def _vocode_ready(self) -> list[Emission]:
+    def _vocode_ready(self, first_audio_ahead: bool = False) -> list[Emission]:
         """Vocode every request's ready window (up to vocoder_batch_size of equal length share a
-        forward) and emit audio; finished requests leave."""
+        forward) and emit audio; finished requests leave. `first_audio_ahead`: when some
+        listeners still wait for their first audio, only their windows, sent at once; the
+        next step vocodes the rest before any DiT forward."""
+        windows = [(state, *win) for state in self.requests.values() if (win := state.vocoder_window()) is not None]
+        if first_audio_ahead:
+            first = [w for w in windows if w[0].vocoded == 0]
+            if first and len(first) < len(windows):
+                windows, self._vocode_rest = first, True
         ready: dict[int, list[tuple[Token2WavRequest, Span, torch.Tensor]]] = {}
-        for state in self.requests.values():
-            win = state.vocoder_window()
-            if win is not None:
-                ready.setdefault(win[1].shape[0], []).append((state, *win))
+        for state, span, mel in windows:
+            ready.setdefault(mel.shape[0], []).append((state, span, mel))
         audio: dict[str, torch.Tensor] = {}
         failed: set[str] = set()
         per = self.net.samples_per_frame

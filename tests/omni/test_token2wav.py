@@ -142,6 +142,27 @@ def test_waiting_request_holds_nobody_up(ckpt):
     assert not ems[0].finished and not stage.has_work()
 
 
+def test_first_audio_goes_out_before_other_requests_are_vocoded(ckpt):
+    """A step whose forward made one request's first window and another's later window sends
+    the first audio alone; the next step vocodes the rest without a DiT forward first."""
+    from omnistage.stages.base import StageRequest
+
+    stage = make_stage(ckpt, params={"first_window_blocks": 2, "future_blocks": 1})
+    stage.add(StageRequest("old", inputs={}, params={"seed": 1}))
+    stage.feed("old", "codes", codes_of(36, 1), last=False)  # first window: 2 blocks + 1 of future
+    assert [e.request_id for e in stage.step()] == ["old"]
+    stage.feed("old", "codes", codes_of(84, 1)[36:], last=False)  # its second window: 4 blocks + 1
+    stage.add(StageRequest("new", inputs={}, params={"seed": 2}))
+    stage.feed("new", "codes", codes_of(36, 2), last=False)
+    first = stage.step()
+    forwards = stage.totals["forwards"]
+    assert [e.request_id for e in first] == ["new"] and first[0].outputs["audio"].numel() > 0
+    rest = stage.step()
+    assert [e.request_id for e in rest] == ["old"] and rest[0].outputs["audio"].numel() > 0
+    assert stage.totals["forwards"] == forwards == 2
+    assert not stage.has_work()
+
+
 def test_bad_input_fails_only_its_request(ckpt):
     stage = make_stage(ckpt)
     good = codes_of(20, 3)
