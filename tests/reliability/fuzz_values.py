@@ -47,7 +47,8 @@ def capped(values: dict) -> dict:
             continue
         if type(value) is int:
             out[key] = min(value, CAPS[key])
-        elif isinstance(value, str) and value.lstrip("-").isdigit() and int(value) > CAPS[key]:
+        # isdecimal, not isdigit: "²" is a digit that int() refuses
+        elif isinstance(value, str) and value.lstrip("-").isdecimal() and int(value) > CAPS[key]:
             out[key] = str(CAPS[key])
     return out
 
