@@ -18,6 +18,9 @@ talks again as soon as the answer starts (barge-in). Per N sessions (all at once
   interrupted (a short answer may already be complete).
 - cached_token_share: cached / input tokens of turns after the first (the session's prefix
   cache under its salt).
+- preemptive_used / preemptive_discarded: responses the server started at a pause in the
+  speech (serving/realtime/early.py) that the turn then used, or that it aborted because the
+  user went on (work spent for nothing), from the server's /metrics.
 - answers (with audio), answers_without_audio (status and codec tokens of each; the random
   tiny talker can end at its first step), interruptions_not_spoken (a barge-in turn whose
   answer had no audio: the user had nothing to talk over, so nothing more is awaited).
@@ -249,10 +252,27 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def _preemptive(ws_url: str, plan: Plan) -> dict[str, float]:
+    """The server's preemptive responses so far, by outcome."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
+    body = httpx.get(ws_url.replace("ws", "http", 1) + "/metrics", headers=headers, timeout=30).text
+    out = {"used": 0.0, "discarded": 0.0}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == "omnistage_realtime_preemptive_responses_total":
+                out[s.labels["outcome"]] = s.value
+    return out
+
+
 async def _level(url: str, plan: Plan, n: int) -> dict[str, Any]:
     logs = [SessionLog() for _ in range(n)]
     start = time.perf_counter()
-    await asyncio.gather(*(_session(url, plan, i, logs[i]) for i in range(n)))
+    before = await asyncio.to_thread(_preemptive, url, plan)
+    await asyncio.gather(*(_session(f"{url}/v1/realtime?model=tiny-omni", plan, i, logs[i]) for i in range(n)))
+    after = await asyncio.to_thread(_preemptive, url, plan)
     v2v = [v for g in logs for v in g.v2v_ms]
     later = sum(g.later_input for g in logs)
     return {
@@ -266,6 +286,8 @@ async def _level(url: str, plan: Plan, n: int) -> dict[str, Any]:
         "answers": len(v2v),
         "answers_without_audio": sorted(s for g in logs for s in g.silent),
         "interruptions_not_spoken": sum(g.interruptions_not_spoken for g in logs),
+        "preemptive_used": int(after["used"] - before["used"]),
+        "preemptive_discarded": int(after["discarded"] - before["discarded"]),
         "audio_s_received": sum(g.audio_bytes for g in logs) / 2 / RATE,
         "errors": [e for g in logs for e in g.errors],
         "wall_s": time.perf_counter() - start,
@@ -289,7 +311,7 @@ def run_bench(url: str, plan: Plan, progress: bool) -> dict[str, Any]:
     for n in plan.sessions:
         runs = []
         for r in range(plan.repeat):
-            runs.append(asyncio.run(_level(f"{url}/v1/realtime?model=tiny-omni", plan, n)))
+            runs.append(asyncio.run(_level(url, plan, n)))
             if progress:
                 fig = runs[-1]
                 print(

@@ -60,6 +60,13 @@ class ServingMetrics:
         self.ready.set_function(lambda: 1.0 if registry.ready else 0.0)
         self.draining = Gauge("omnistage_draining", "1 while the server drains before exit", registry=self.prom)
         self.draining.set_function(lambda: 1.0 if registry.draining else 0.0)
+        self.realtime_preemptive = Counter(
+            "omnistage_realtime_preemptive_responses",
+            "Realtime responses started at a pause in the user's speech, by outcome: used (the turn "
+            "ended there) or discarded (the user went on; the work was aborted)",
+            ["outcome"],
+            registry=self.prom,
+        )
         self.prom.register(_LivePipelinesCollector(registry))
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:

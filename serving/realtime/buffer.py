@@ -38,8 +38,7 @@ class InputBuffer:
     def too_long(self) -> bool:
         return self.samples > MAX_BUFFER_S * SESSION_RATE
 
-    def take(self, start_ms: int | None = None, end_ms: int | None = None) -> np.ndarray:
-        """The audio in [start_ms, end_ms) (default: all); the buffer then starts at end_ms."""
+    def _span(self, start_ms: int | None, end_ms: int | None) -> tuple[np.ndarray, int, int]:
         audio = np.concatenate(self.chunks) if self.chunks else np.zeros(0, dtype=np.float32)
         lo = 0 if start_ms is None else max(0, start_ms * SESSION_RATE // 1000 - self.start_sample)
         hi = (
@@ -47,6 +46,16 @@ class InputBuffer:
             if end_ms is None
             else max(lo, min(len(audio), end_ms * SESSION_RATE // 1000 - self.start_sample))
         )
+        return audio, lo, hi
+
+    def peek(self, start_ms: int | None = None, end_ms: int | None = None) -> np.ndarray:
+        """The audio `take` would return, left in the buffer."""
+        audio, lo, hi = self._span(start_ms, end_ms)
+        return audio[lo:hi]
+
+    def take(self, start_ms: int | None = None, end_ms: int | None = None) -> np.ndarray:
+        """The audio in [start_ms, end_ms) (default: all); the buffer then starts at end_ms."""
+        audio, lo, hi = self._span(start_ms, end_ms)
         rest = audio[hi:]
         self.chunks = [rest] if len(rest) else []
         self.start_sample += hi

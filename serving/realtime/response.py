@@ -24,6 +24,7 @@ import numpy as np
 from omnistage.errors import InvalidRequestError, OmnistageError
 from omnistage.serving.realtime.audio import SESSION_RATE, AudioFormat
 from omnistage.serving.realtime.conversation import ContentPart, Item
+from omnistage.serving.realtime.early import SubmittedStream
 from omnistage.serving.realtime.events import new_id, server_event
 
 log = logging.getLogger("omnistage.serving.realtime")
@@ -76,7 +77,19 @@ class ResponseRunner:
         self.previous_item_id: str | None = None
         self._cancelled = False
         self._streaming: asyncio.Task | None = None
+        self._submitted: SubmittedStream | None = None
         self._output = plan.output_format.output_stream()
+
+    def submit(self) -> None:
+        """Starts the request in the stages before `run` (a preemptive response); its output
+        waits for `run`, or `discard` aborts it."""
+        inputs, params = self._inputs_and_params()
+        self._submitted = SubmittedStream(self.served.pipeline.stream(inputs, params, request_id=self.state.id))
+
+    async def discard(self) -> None:
+        """Aborts a submitted request that will never run (nothing was sent of it)."""
+        if self._submitted is not None:
+            await self._submitted.aclose()
 
     def cancel(self, reason: str) -> None:
         """Stops the deltas (a cancel after the stream ended changes nothing); `run` still
@@ -150,6 +163,7 @@ class ResponseRunner:
         except Exception:  # noqa: BLE001 - a fault of ours still ends the response: the client waits for its done
             log.exception("realtime response %s failed", s.id)
             s.status, s.error = "failed", {"type": "server_error", "code": "server_error", "message": "internal error"}
+        await self.discard()  # a submitted stream cancelled before it was read: aborted here
         await self._finish(ids, part)
 
     async def _start(self, ids: dict[str, Any]) -> None:
@@ -165,11 +179,12 @@ class ResponseRunner:
         await self.send(server_event("response.content_part.added", **ids, content_index=0, part=part_shape))
 
     async def _stream(self, ids: dict[str, Any]) -> None:
-        inputs, params = self._inputs_and_params()
         roles = ("text", "audio", "info", "speech_info")
         text_port, audio_port, info_port, speech_port = (self.served.port(r) for r in roles)
         kind = "response.output_audio_transcript.delta" if self.plan.speaks else "response.output_text.delta"
-        stream = self.served.pipeline.stream(inputs, params, request_id=self.state.id)
+        if self._submitted is None:
+            self.submit()
+        stream = self._submitted
         try:
             async for chunk in stream:
                 if chunk.data is None:

@@ -20,6 +20,7 @@ from omnistage.serving.realtime.audio import AudioDataError, decode_b64
 from omnistage.serving.realtime.buffer import MAX_BUFFER_S, MIN_COMMIT_MS, InputBuffer
 from omnistage.serving.realtime.config import ConfigError, SessionConfig
 from omnistage.serving.realtime.conversation import ContentPart, Conversation, Item, item_from_client
+from omnistage.serving.realtime.early import DEFAULT_PAUSE_MS, EarlyResponse
 from omnistage.serving.realtime.overrides import response_plan
 from omnistage.serving.realtime.response import ResponseRunner
 from omnistage.serving.realtime.vad import TurnDetector, VadBatcher, VadStream
@@ -30,8 +31,20 @@ MAX_APPEND_BYTES = 15 * 1024 * 1024
 
 
 class RealtimeSession:
-    def __init__(self, served: Any, send: Callable[[dict[str, Any]], Awaitable[None]], vad: VadBatcher):
+    def __init__(
+        self,
+        served: Any,
+        send: Callable[[dict[str, Any]], Awaitable[None]],
+        vad: VadBatcher,
+        preemptive_ms: int | None = DEFAULT_PAUSE_MS,
+        on_preemptive: Callable[[str], None] | None = None,
+    ):
+        """`preemptive_ms`: server VAD starts a turn's response after this much silence (None:
+        only when the turn ends; serving/realtime/early.py); `on_preemptive` hears how each
+        such start ended ("used" or "discarded")."""
         self.served, self.send, self.vad = served, send, vad
+        self.preemptive_ms, self._on_preemptive = preemptive_ms, on_preemptive
+        self._early: EarlyResponse | None = None
         self.id = ev.new_id("sess")
         self.created = int(time.time())
         self.config = SessionConfig()
@@ -80,6 +93,8 @@ class RealtimeSession:
         try:
             event = ev.parse_client_event(raw)
             event_id = event.event_id
+            if event.type != "input_audio_buffer.append":  # it may change what the turn's response is
+                await self._drop_early()
             await self._handlers[event.type](event)
         except ev.ProtocolError as err:
             err.event_id = err.event_id or event_id
@@ -93,6 +108,7 @@ class RealtimeSession:
     async def close(self) -> None:
         """The client is gone: stop the response (aborting it in every stage) and the timers."""
         self._cancel_idle()
+        await self._drop_early()
         await self.cancel_response("client_cancelled")
 
     # -- session and input audio -----------------------------------------------------------
@@ -132,7 +148,7 @@ class RealtimeSession:
     def _reset_vad(self) -> None:
         td = self.config.turn_detection
         self._vad_stream = VadStream()
-        self._detector = TurnDetector(td.vad) if td is not None else None
+        self._detector = TurnDetector(td.vad, self.preemptive_ms) if td is not None else None
         self._vad_origin_ms = self.buffer.now_ms
         self._speech_item = None
 
@@ -157,6 +173,10 @@ class RealtimeSession:
         for turn in detector.feed(probs, self._vad_origin_ms):
             if turn.kind == "started":
                 await self._speech_started(turn.ms)
+            elif turn.kind == "paused":
+                await self._speech_paused(turn.ms)
+            elif turn.kind == "resumed":
+                await self._drop_early()
             else:
                 await self._speech_stopped(turn.ms)
         if not detector.speaking:
@@ -174,17 +194,49 @@ class RealtimeSession:
         if td is not None and td.interrupt_response:
             await self.cancel_response("turn_detected")
 
+    async def _speech_paused(self, audio_end_ms: int) -> None:
+        """The turn may end here: its response starts in the stages now, held from the client."""
+        td = self.config.turn_detection
+        if td is None or not td.create_response or self._responding():
+            return
+        samples = self.buffer.peek(self._speech_start_ms, audio_end_ms)
+        turn = Item("user", [ContentPart("input_audio", samples=samples)], id=self._speech_item or ev.new_id("item"))
+        try:
+            runner = self._new_runner(None, [*self.conversation.items, turn])
+            runner.submit()
+        except (ev.ProtocolError, OmnistageError):
+            return  # the stop will start it (and report what is wrong) the usual way
+        self._early = EarlyResponse(runner, self._speech_start_ms, audio_end_ms)
+
+    async def _drop_early(self, outcome: str = "discarded") -> None:
+        early, self._early = self._early, None
+        if early is None:
+            return
+        if self._on_preemptive is not None:
+            self._on_preemptive(outcome)
+        if outcome == "discarded":
+            await early.runner.discard()
+
     async def _speech_stopped(self, audio_end_ms: int) -> None:
         item_id = self._speech_item or ev.new_id("item")
         self._speech_item = None
         await self.send(
             ev.server_event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
         )
-        samples = self.buffer.take(self._speech_start_ms, audio_end_ms)
+        start_ms = self._speech_start_ms
+        samples = self.buffer.take(start_ms, audio_end_ms)
         await self._add_user_audio(samples, item_id)
         td = self.config.turn_detection
+        early = self._early
         if td is not None and td.create_response and not self._responding():
-            await self._start_response(None)
+            if early is not None and early.matches(start_ms, audio_end_ms):
+                await self._drop_early("used")
+                self._launch(early.runner)
+            else:
+                await self._drop_early()
+                await self._start_response(None)
+        else:
+            await self._drop_early()
 
     async def _add_user_audio(self, samples, item_id: str) -> None:
         previous = self.conversation.items[-1].id if self.conversation.items else None
@@ -271,12 +323,21 @@ class RealtimeSession:
         await asyncio.wait({r.task})
 
     async def _start_response(self, overrides: dict[str, Any] | None) -> None:
+        self._launch(self._new_runner(overrides))
+
+    def _new_runner(self, overrides: dict[str, Any] | None, items: list[Item] | None = None) -> ResponseRunner:
+        """The response `overrides` ask for, on the conversation (or on `items` in its place)."""
         plan, input_items = response_plan(self.config, overrides or {}, self.cache_salt)
+        if input_items is None and items is not None:
+            input_items = Conversation()
+            input_items.items = items
         messages, audio = (self.conversation if input_items is None else input_items).prompt(plan.instructions)
         if not messages:
             raise ev.ProtocolError("the conversation is empty: add an item or commit audio first", "empty_conversation")
-        runner = ResponseRunner(self.served, plan.with_prompt(messages, audio), Item("assistant"), self.send)
-        if plan.conversation != "none":
+        return ResponseRunner(self.served, plan.with_prompt(messages, audio), Item("assistant"), self.send)
+
+    def _launch(self, runner: ResponseRunner) -> None:
+        if runner.plan.conversation != "none":
             runner.previous_item_id = self.conversation.add(runner.item)
         self._cancel_idle()
         self.response = runner

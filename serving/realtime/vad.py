@@ -148,19 +148,31 @@ class VadSettings:
 
 @dataclass
 class TurnEvent:
-    kind: str  # "started" | "stopped"
-    ms: int  # audio_start_ms (prefix padding included) or audio_end_ms, on the session's input clock
+    kind: str  # "started" | "paused" | "resumed" | "stopped"
+    # started: audio_start_ms (prefix padding included); paused, stopped: where the silence
+    # began (a stop's audio_end_ms); resumed: the frame that broke the silence. Input clock.
+    ms: int
 
 
 @dataclass
 class TurnDetector:
     """Speech start when a frame's probability reaches the threshold; stop after
-    `silence_duration_ms` of frames below threshold - HYSTERESIS."""
+    `silence_duration_ms` of frames below threshold - HYSTERESIS. Within speech, `pause_ms` of
+    such frames make a pause (the turn may end there: a preemptive response starts), and a
+    frame above it after a pause resumes the speech. None: no pauses reported."""
 
     settings: VadSettings
+    pause_ms: int | None = None
     speaking: bool = False
     frames_seen: int = 0
     silence_ms: int = 0
+
+    @property
+    def _pause_at(self) -> int:
+        """Silence (ms, whole frames) that makes a pause; 0: none."""
+        if self.pause_ms is None:
+            return 0
+        return max(FRAME_MS, -(-self.pause_ms // FRAME_MS) * FRAME_MS)
 
     def feed(self, probs: np.ndarray, offset_ms: int = 0) -> list[TurnEvent]:
         events: list[TurnEvent] = []
@@ -174,9 +186,13 @@ class TurnDetector:
                     events.append(TurnEvent("started", max(0, start_ms - s.prefix_padding_ms)))
                 continue
             if p >= s.threshold - HYSTERESIS:
+                if self._pause_at and self.silence_ms >= self._pause_at:
+                    events.append(TurnEvent("resumed", start_ms))
                 self.silence_ms = 0
                 continue
             self.silence_ms += FRAME_MS
+            if self.silence_ms == self._pause_at:
+                events.append(TurnEvent("paused", start_ms + FRAME_MS - self.silence_ms))
             if self.silence_ms >= s.silence_duration_ms:
                 self.speaking = False
                 events.append(TurnEvent("stopped", start_ms + FRAME_MS - self.silence_ms))

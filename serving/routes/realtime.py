@@ -20,6 +20,7 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from omnistage.errors import OmnistageError
+from omnistage.serving.realtime.early import preemptive_pause_ms
 from omnistage.serving.realtime.events import ProtocolError, beta_names, error_event
 from omnistage.serving.realtime.session import RealtimeSession
 from omnistage.serving.realtime.vad import VadBatcher
@@ -83,7 +84,9 @@ async def realtime(websocket: WebSocket, model: str | None = None) -> None:
         await websocket.close(CLOSE_POLICY, "session_limit_exceeded")
         return
     sessions[owner] += 1
-    session = RealtimeSession(served, send, vad)
+    metrics = getattr(websocket.app.state, "metrics", None)
+    outcome = (lambda o: metrics.realtime_preemptive.labels(o).inc()) if metrics is not None else None
+    session = RealtimeSession(served, send, vad, preemptive_ms=preemptive_pause_ms(), on_preemptive=outcome)
     try:
         await session.start()
         while True:

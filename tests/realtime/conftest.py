@@ -42,8 +42,10 @@ def connect(server, headers: dict[str, str] | None = None, **kw):
     return websockets.connect(ws_url(server), additional_headers=headers, max_size=None, **kw)
 
 
-def speech() -> np.ndarray:
-    samples, rate = soundfile.read(SPEECH, dtype="int16")
+def speech(name: str = SPEECH.name) -> np.ndarray:
+    """A speech clip of tests/fixtures as pcm16 at 24 kHz (speech.wav has pauses inside it,
+    speech-phrase.wav none)."""
+    samples, rate = soundfile.read(SPEECH.with_name(name), dtype="int16")
     assert rate == RATE and samples.ndim == 1
     return samples
 
@@ -114,5 +116,16 @@ def request_outcomes(url: str) -> dict[str, float]:
     for family in text_string_to_metric_families(body):
         for s in family.samples:
             if s.name == "omnistage_pipeline_requests_total" and s.labels.get("pipeline") == "tiny-omni":
+                out[s.labels["outcome"]] = s.value
+    return out
+
+
+def preemptive_outcomes(url: str) -> dict[str, float]:
+    """Preemptive realtime responses by outcome (used, discarded), from /metrics."""
+    body = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    out = {"used": 0.0, "discarded": 0.0}
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == "omnistage_realtime_preemptive_responses_total":
                 out[s.labels["outcome"]] = s.value
     return out

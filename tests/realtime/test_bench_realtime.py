@@ -34,6 +34,8 @@ def test_quick_bench_measures_spoken_sessions(rt_server, tmp_path):
         assert level["audio_s_received"] > 0
         # the end of speech is only known after silence_duration_ms of silence
         assert plan["silence_ms"] <= level["v2v_ms_p50"] <= level["v2v_ms_p99"]
+        # the server starts each answer at the pause that ends the turn (serving/realtime/early.py)
+        assert level["preemptive_used"] >= level["answers"] and level["preemptive_discarded"] >= 0
         assert 0 <= level["bargein_ms_p99"] <= level["bargein_done_ms_p99"] or level["bargein_count"] == 0
         assert level["underrun_ms_total"] >= 0
         assert 0 < level["cached_token_share"] <= 1  # later turns hit the session's earlier blocks
