@@ -59,24 +59,35 @@ class StepClock:
 
 
 class MemoryWatch:
-    """Worker side: reports once when the process's RSS passes `limit` bytes."""
+    """Worker side: reports once when the process's RSS passes `limit` bytes. Checks at most
+    every MEMORY_CHECK_EVERY_S; a check skipped for that is owed, so a worker that goes idle
+    right after the work that took it over the limit still reports it (`due_in`)."""
 
     def __init__(self, limit: int | None):
         self.limit = limit
         self.next_check = 0.0
         self.reported = False
+        self.owed = False
 
     def check(self, send) -> None:
         if self.limit is None or self.reported:
             return
         now = time.monotonic()
         if now < self.next_check:
+            self.owed = True
             return
         self.next_check = now + MEMORY_CHECK_EVERY_S
+        self.owed = False
         rss = rss_bytes()
         if rss > self.limit:
             self.reported = True
             send(OverMemory(rss))
+
+    def due_in(self) -> float | None:
+        """Seconds until an owed check may run; None: none is owed (an idle worker may sleep)."""
+        if not self.owed or self.reported:
+            return None
+        return max(0.0, self.next_check - time.monotonic())
 
 
 @dataclass

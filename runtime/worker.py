@@ -250,6 +250,9 @@ class Worker:
                 timeout = engine.next_wakeup()
                 if self.waiting_permits:
                     timeout = PERMIT_POLL_S if timeout is None else min(timeout, PERMIT_POLL_S)
+                owed = self.memory.due_in()
+                if owed is not None:
+                    timeout = owed if timeout is None else min(timeout, owed)
                 if self.stats_dirty:
                     self._publish_engine_stats()
             self._drain(timeout)

@@ -110,3 +110,23 @@ def test_a_worker_over_its_memory_limit_is_recycled_between_requests():
         # the worker now may be over the limit again (the last requests leaked too) and be
         # draining: its RSS says nothing here; that it replaced the first one does
         assert p.worker_pids()["s"][0] != pid
+
+
+def test_a_worker_that_goes_idle_over_its_limit_is_recycled_without_more_work():
+    """The memory check runs at most every 0.2 s: a request that takes the worker over its
+    limit right after a check, and then nothing more, must still be found and recycled."""
+    probe = load_pipeline_text(one_stage_yaml(LEAK, name="probe"), "probe.yaml")
+    with Pipeline.from_spec(probe) as p:
+        p.run({"x": torch.zeros(4)}, timeout=60)
+        baseline = rss_bytes(p.worker_pids()["s"][0])
+    limit_mib = (baseline >> 20) + 96
+    spec = load_pipeline_text(one_stage_yaml(LEAK, f"{{max_rss: {limit_mib}MiB}}", name="idle"), "idle.yaml")
+    with Pipeline.from_spec(spec) as p:
+        pid = p.worker_pids()["s"][0]
+        x = torch.zeros(4)
+        assert torch.equal(p.run({"x": x}, timeout=60)["y"], x + 1)  # a check right after this one
+        assert torch.equal(p.run({"x": x}, params={"s": {"leak_mib": 160}}, timeout=60)["y"], x + 1)
+        wait_for(lambda: p.replica_stats()["s"][0]["recycles"] == 1, 30, "the idle worker over its limit stayed")
+        wait_for(lambda: p.ready, 60, "the recycled worker never came back")
+        assert p.worker_pids()["s"][0] != pid
+        assert rss_bytes(p.worker_pids()["s"][0]) < limit_mib << 20
