@@ -61,7 +61,7 @@ class StepClock:
 class MemoryWatch:
     """Worker side: reports once when the process's RSS passes `limit` bytes. Checks at most
     every MEMORY_CHECK_EVERY_S; a check skipped for that is owed, so a worker that goes idle
-    right after the work that took it over the limit still reports it (`due_in`)."""
+    right after the work that took it over the limit still reports it (`bound_wait`)."""
 
     def __init__(self, limit: int | None):
         self.limit = limit
@@ -83,11 +83,12 @@ class MemoryWatch:
             self.reported = True
             send(OverMemory(rss))
 
-    def due_in(self) -> float | None:
-        """Seconds until an owed check may run; None: none is owed (an idle worker may sleep)."""
+    def bound_wait(self, timeout: float | None) -> float | None:
+        """An idle worker's wait (None: until a message), shortened to when an owed check may run."""
         if not self.owed or self.reported:
-            return None
-        return max(0.0, self.next_check - time.monotonic())
+            return timeout
+        due = max(0.0, self.next_check - time.monotonic())
+        return due if timeout is None else min(timeout, due)
 
 
 @dataclass

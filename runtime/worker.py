@@ -1,9 +1,8 @@
 """A stage worker: one process hosting one replica of one stage and running its engine loop.
 
-Loop: drain the inbox (deliveries, aborts, stats queries) -> engine.add/feed/abort ->
-engine.step() when it has work -> send emissions to the orchestrator. When idle it blocks on
-the inbox (timeout = engine.next_wakeup()); no busy spin. A reader thread keeps the pipe
-drained so the orchestrator never blocks on a busy worker.
+Loop: drain the inbox (deliveries, aborts, stats queries) -> engine.add/feed/abort -> engine.step()
+when it has work -> send emissions to the orchestrator. Idle, it blocks on the inbox until the engine's
+next wakeup (no busy spin); a reader thread keeps the pipe drained for the orchestrator.
 
 Per-edge backpressure: a request is added to the engine only once the worker holds an
 in-flight permit for each out-edge with `max_inflight`; the orchestrator returns the permit
@@ -250,9 +249,7 @@ class Worker:
                 timeout = engine.next_wakeup()
                 if self.waiting_permits:
                     timeout = PERMIT_POLL_S if timeout is None else min(timeout, PERMIT_POLL_S)
-                owed = self.memory.due_in()
-                if owed is not None:
-                    timeout = owed if timeout is None else min(timeout, owed)
+                timeout = self.memory.bound_wait(timeout)
                 if self.stats_dirty:
                     self._publish_engine_stats()
             self._drain(timeout)
