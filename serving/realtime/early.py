@@ -5,8 +5,9 @@ while the VAD waits to be sure the turn ended.
 
 Nothing reaches the client early: the response's events (from `response.created` on) go out
 only when the turn ends at that same silence, and the pipeline's output waits in the stream
-until then. If the user speaks again first (or any client event other than an audio append
-arrives), the request is aborted in every stage and forgotten; the next pause starts another.
+until then. If the user speaks again first (or a client event arrives that could change the
+answer: any but an audio append or an item retrieve), the request is aborted in every stage
+and forgotten; the next pause starts another.
 The prompt is the one the ended turn builds: the same conversation, plus the user's audio
 from the speech start to the silence, which is exactly the audio that the stop commits.
 """

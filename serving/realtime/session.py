@@ -28,6 +28,7 @@ from omnistage.serving.realtime.vad import TurnDetector, VadBatcher, VadStream
 log = logging.getLogger("omnistage.serving.realtime")
 SESSION_TTL_S = 3600
 MAX_APPEND_BYTES = 15 * 1024 * 1024
+KEEP_EARLY = frozenset({"input_audio_buffer.append", "conversation.item.retrieve"})  # events that change no answer
 
 
 class RealtimeSession:
@@ -93,7 +94,7 @@ class RealtimeSession:
         try:
             event = ev.parse_client_event(raw)
             event_id = event.event_id
-            if event.type != "input_audio_buffer.append":  # it may change what the turn's response is
+            if event.type not in KEEP_EARLY:  # it may change what the turn's response is
                 await self._drop_early()
             await self._handlers[event.type](event)
         except ev.ProtocolError as err:
@@ -196,6 +197,7 @@ class RealtimeSession:
 
     async def _speech_paused(self, audio_end_ms: int) -> None:
         """The turn may end here: its response starts in the stages now, held from the client."""
+        await self._drop_early()
         td = self.config.turn_detection
         if td is None or not td.create_response or self._responding():
             return

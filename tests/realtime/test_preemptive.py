@@ -163,14 +163,18 @@ def test_a_client_event_during_the_pause_discards_the_early_response(rt_server):
                 await send(ws, "input_audio_buffer.append", audio=p)
             await _paced(ws, silence(0.5))  # the pause has begun; the turn has not ended
             seen: list = []
+            await send(ws, "conversation.item.retrieve", item_id="item_none")  # changes no answer
+            await until(ws, "error", seen)
+            kept = preemptive_outcomes(rt_server.url)
             await send(ws, "session.update", session={"type": "realtime", "instructions": "Be brief."})
             await until(ws, "session.updated", seen)
             middle = preemptive_outcomes(rt_server.url)
             await _paced(ws, silence(1.5))
             await until(ws, "response.done", seen)
-            return middle, seen
+            return kept, middle, seen
 
-    middle, seen = asyncio.run(talk())
+    kept, middle, seen = asyncio.run(talk())
+    assert kept == before
     assert middle["discarded"] == before["discarded"] + 1 and middle["used"] == before["used"]
     after = preemptive_outcomes(rt_server.url)
     assert after["used"] == before["used"]  # the turn's response started at the stop, with the new instructions
