@@ -112,6 +112,13 @@ def serve(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     quiet_for_log_level(log_level)
+    from omnistage.serving.realtime.early import preemptive_pause_ms
+
+    try:
+        preemptive_pause_ms()  # a bad value stops the start, not every realtime session
+    except ValueError as err:
+        print(f"omnistage serve: {err}", file=sys.stderr)
+        return 2
     paths = list(configs) or default_config_paths()
     if not paths:
         print("omnistage serve: no pipeline configs given and no configs/tiny-*.yaml found", file=sys.stderr)

@@ -57,6 +57,13 @@ class SubmittedStream:
             return await first
         return await self._stream.__anext__()
 
+    def failed(self) -> bool:
+        """Whether the request already ended in an error (before anyone read it)."""
+        first = self._first
+        if first is None or not first.done() or first.cancelled():
+            return False
+        return not isinstance(first.exception(), (type(None), StopAsyncIteration))
+
     async def aclose(self) -> None:
         """Aborts the request in every stage (unless it ended)."""
         first, self._first = self._first, None
@@ -70,11 +77,16 @@ class SubmittedStream:
 
 @dataclass
 class EarlyResponse:
-    """A response started at a pause: valid for a stop whose audio is [start_ms, end_ms)."""
+    """A response started at a pause: valid for a stop whose audio is [start_ms, end_ms), on
+    the same conversation and buffer (`context`), unless its request already failed (a
+    refusal under load then is no reason to refuse the turn)."""
 
     runner: Any  # ResponseRunner
     start_ms: int
     end_ms: int
+    context: tuple
+    expiry: asyncio.TimerHandle
 
-    def matches(self, start_ms: int, end_ms: int) -> bool:
-        return (self.start_ms, self.end_ms) == (start_ms, end_ms)
+    def matches(self, start_ms: int, end_ms: int, context: tuple) -> bool:
+        span = (self.start_ms, self.end_ms, self.context) == (start_ms, end_ms, context)
+        return span and not self.runner.submit_failed()

@@ -86,6 +86,9 @@ class ResponseRunner:
         inputs, params = self._inputs_and_params()
         self._submitted = SubmittedStream(self.served.pipeline.stream(inputs, params, request_id=self.state.id))
 
+    def submit_failed(self) -> bool:
+        return self._submitted is not None and self._submitted.failed()
+
     async def discard(self) -> None:
         """Aborts a submitted request that will never run (nothing was sent of it)."""
         if self._submitted is not None:

@@ -28,6 +28,7 @@ from omnistage.serving.realtime.vad import TurnDetector, VadBatcher, VadStream
 log = logging.getLogger("omnistage.serving.realtime")
 SESSION_TTL_S = 3600
 MAX_APPEND_BYTES = 15 * 1024 * 1024
+EARLY_GRACE_S = 2.0  # past silence_duration_ms, how long an early response waits for its turn's stop
 KEEP_EARLY = frozenset({"input_audio_buffer.append", "conversation.item.retrieve"})  # events that change no answer
 
 
@@ -206,18 +207,29 @@ class RealtimeSession:
         try:
             runner = self._new_runner(None, [*self.conversation.items, turn])
             runner.submit()
-        except (ev.ProtocolError, OmnistageError):
-            return  # the stop will start it (and report what is wrong) the usual way
-        self._early = EarlyResponse(runner, self._speech_start_ms, audio_end_ms)
+        except Exception as exc:  # noqa: BLE001 - the stop starts it (and reports what is wrong) the usual way
+            if not isinstance(exc, (ev.ProtocolError, OmnistageError)):
+                log.exception("realtime session %s: an early response failed to start", self.id)
+            return
+        # a client that stops sending audio mid-pause gets neither a stop nor a resume: let go
+        expiry = asyncio.get_running_loop().call_later(
+            td.vad.silence_duration_ms / 1000 + EARLY_GRACE_S, lambda: asyncio.ensure_future(self._drop_early())
+        )
+        self._early = EarlyResponse(runner, self._speech_start_ms, audio_end_ms, self._context(), expiry)
+
+    def _context(self) -> tuple:
+        """What an early response's prompt was built on besides its audio span."""
+        return tuple(item.id for item in self.conversation.items), self.buffer.start_sample
 
     async def _drop_early(self, outcome: str = "discarded") -> None:
         early, self._early = self._early, None
         if early is None:
             return
-        if self._on_preemptive is not None:
-            self._on_preemptive(outcome)
+        early.expiry.cancel()
         if outcome == "discarded":
             await early.runner.discard()
+        if self._on_preemptive is not None:
+            self._on_preemptive(outcome)
 
     async def _speech_stopped(self, audio_end_ms: int) -> None:
         item_id = self._speech_item or ev.new_id("item")
@@ -225,13 +237,12 @@ class RealtimeSession:
         await self.send(
             ev.server_event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
         )
-        start_ms = self._speech_start_ms
+        start_ms, context, early = self._speech_start_ms, self._context(), self._early
         samples = self.buffer.take(start_ms, audio_end_ms)
         await self._add_user_audio(samples, item_id)
         td = self.config.turn_detection
-        early = self._early
         if td is not None and td.create_response and not self._responding():
-            if early is not None and early.matches(start_ms, audio_end_ms):
+            if early is not None and early.matches(start_ms, audio_end_ms, context) and early is self._early:
                 await self._drop_early("used")
                 self._launch(early.runner)
             else:
@@ -363,6 +374,7 @@ class RealtimeSession:
             asyncio.get_running_loop().create_task(self._idle_timeout())
 
     async def _idle_timeout(self) -> None:
+        await self._drop_early()  # the buffer and the conversation change under it
         start, end = self.buffer.start_ms, self.buffer.now_ms
         item_id = ev.new_id("item")
         await self.send(

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 from collections import Counter
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, WebSocket
@@ -40,12 +41,21 @@ def _offered(websocket: WebSocket) -> list[str]:
     return [p.strip() for p in raw.split(",") if p.strip()]
 
 
+@asynccontextmanager
+async def lifespan(app: Any):
+    """A bad OMNISTAGE_REALTIME_PREEMPTIVE_MS stops the server at start, not each session."""
+    app.state.realtime_preemptive_ms = preemptive_pause_ms()
+    yield
+
+
 def _shared(app: Any) -> tuple[VadBatcher, Counter]:
     state = app.state
     if getattr(state, "realtime_vad", None) is None:
         state.realtime_vad = VadBatcher()
         state.realtime_vad.preload()
         state.realtime_sessions = Counter()
+    if not hasattr(state, "realtime_preemptive_ms"):  # an app run without its lifespan
+        state.realtime_preemptive_ms = preemptive_pause_ms()
     return state.realtime_vad, state.realtime_sessions
 
 
@@ -86,7 +96,8 @@ async def realtime(websocket: WebSocket, model: str | None = None) -> None:
     sessions[owner] += 1
     metrics = getattr(websocket.app.state, "metrics", None)
     outcome = (lambda o: metrics.realtime_preemptive.labels(o).inc()) if metrics is not None else None
-    session = RealtimeSession(served, send, vad, preemptive_ms=preemptive_pause_ms(), on_preemptive=outcome)
+    preemptive_ms = websocket.app.state.realtime_preemptive_ms
+    session = RealtimeSession(served, send, vad, preemptive_ms=preemptive_ms, on_preemptive=outcome)
     try:
         await session.start()
         while True:

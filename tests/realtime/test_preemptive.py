@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -179,3 +183,72 @@ def test_a_client_event_during_the_pause_discards_the_early_response(rt_server):
     after = preemptive_outcomes(rt_server.url)
     assert after["used"] == before["used"]  # the turn's response started at the stop, with the new instructions
     assert [e["type"] for e in seen].count("response.created") == 1
+
+
+def test_a_client_gone_during_the_pause_leaves_nothing_running(rt_server):
+    clip = speech("speech-phrase.wav")
+    before = preemptive_outcomes(rt_server.url)
+
+    async def talk():
+        async with connect(rt_server) as ws:
+            await until(ws, "session.created")
+            await send(ws, "session.update", session=_vad(1500))
+            await until(ws, "session.updated")
+            for p in packets(np.concatenate([silence(0.5), clip])):
+                await send(ws, "input_audio_buffer.append", audio=p)
+            await _paced(ws, silence(0.3))  # the pause has begun: the early answer runs
+            # (the socket closes here, before the turn could end)
+
+    asyncio.run(talk())
+    deadline = time.monotonic() + 30
+    while preemptive_outcomes(rt_server.url)["discarded"] == before["discarded"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = preemptive_outcomes(rt_server.url)
+    assert after["discarded"] == before["discarded"] + 1 and after["used"] == before["used"]
+    while not idle(engine_figures(rt_server.url)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert idle(engine_figures(rt_server.url)), engine_figures(rt_server.url)
+
+
+def test_a_bad_preemptive_setting_stops_the_server_at_start():
+    omnistage = Path(sys.executable).parent / "omnistage"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMNISTAGE_REALTIME_PREEMPTIVE_MS": "soon"}
+    proc = subprocess.run(
+        [str(omnistage), "serve", "tiny-llm", "--port", "1"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (
+        "omnistage serve: OMNISTAGE_REALTIME_PREEMPTIVE_MS must be milliseconds of silence (e.g. 64) or off, not 'soon'"
+    )
+
+
+def test_an_early_answer_whose_turn_never_ends_is_let_go(rt_server):
+    """A client that stops sending audio mid-pause: no stop, no resume. The early answer is
+    dropped after silence_duration_ms + 2 s; the turn still ends (and is answered) once the
+    audio comes back."""
+    clip = speech("speech-phrase.wav")
+    before = preemptive_outcomes(rt_server.url)
+
+    async def talk():
+        async with connect(rt_server) as ws:
+            await until(ws, "session.created")
+            await send(ws, "session.update", session=_vad(500))
+            await until(ws, "session.updated")
+            for p in packets(np.concatenate([silence(0.5), clip])):
+                await send(ws, "input_audio_buffer.append", audio=p)
+            await _paced(ws, silence(0.2))  # the pause has begun; then the microphone goes quiet
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 10
+            while (await asyncio.to_thread(preemptive_outcomes, rt_server.url))["discarded"] == before["discarded"]:
+                assert loop.time() < deadline, "the early answer was never let go"
+                await asyncio.sleep(0.2)
+            seen: list = []
+            await _paced(ws, silence(0.6))
+            await until(ws, "response.done", seen)
+            return seen
+
+    seen = asyncio.run(talk())
+    after = preemptive_outcomes(rt_server.url)
+    assert after["discarded"] == before["discarded"] + 1 and after["used"] == before["used"]
+    types = [e["type"] for e in seen]
+    assert types.count("input_audio_buffer.speech_stopped") == 1 and types.count("response.created") == 1
