@@ -112,12 +112,7 @@ def serve(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     quiet_for_log_level(log_level)
-    from omnistage.serving.realtime.early import preemptive_pause_ms
-
-    try:
-        preemptive_pause_ms()  # a bad value stops the start, not every realtime session
-    except ValueError as err:
-        print(f"omnistage serve: {err}", file=sys.stderr)
+    if not _environment_ok():
         return 2
     paths = list(configs) or default_config_paths()
     if not paths:
@@ -169,6 +164,18 @@ def serve(
     finally:
         registry.close(0.0)  # no-op for pipelines the app's shutdown already closed
     return 0 if server.started else 1
+
+
+def _environment_ok() -> bool:
+    """Settings read from the environment later, by each session, are checked at start."""
+    from omnistage.serving.realtime.early import preemptive_pause_ms
+
+    try:
+        preemptive_pause_ms()
+    except ValueError as err:
+        print(f"omnistage serve: {err}", file=sys.stderr)
+        return False
+    return True
 
 
 def freeze_heap() -> None:
