@@ -252,13 +252,13 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _preemptive(ws_url: str, plan: Plan) -> dict[str, float]:
-    """The server's preemptive responses so far, by outcome."""
+def preemptive_outcomes(http_url: str, api_key: str | None = None) -> dict[str, float]:
+    """A server's preemptive realtime responses so far, by outcome (used, discarded), from its /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    headers = {"Authorization": f"Bearer {plan.api_key}"} if plan.api_key else {}
-    body = httpx.get(ws_url.replace("ws", "http", 1) + "/metrics", headers=headers, timeout=30).text
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = httpx.get(http_url + "/metrics", headers=headers, timeout=30).text
     out = {"used": 0.0, "discarded": 0.0}
     for family in text_string_to_metric_families(body):
         for s in family.samples:
@@ -270,9 +270,10 @@ def _preemptive(ws_url: str, plan: Plan) -> dict[str, float]:
 async def _level(url: str, plan: Plan, n: int) -> dict[str, Any]:
     logs = [SessionLog() for _ in range(n)]
     start = time.perf_counter()
-    before = await asyncio.to_thread(_preemptive, url, plan)
+    http_url = url.replace("ws", "http", 1)
+    before = await asyncio.to_thread(preemptive_outcomes, http_url, plan.api_key)
     await asyncio.gather(*(_session(f"{url}/v1/realtime?model=tiny-omni", plan, i, logs[i]) for i in range(n)))
-    after = await asyncio.to_thread(_preemptive, url, plan)
+    after = await asyncio.to_thread(preemptive_outcomes, http_url, plan.api_key)
     v2v = [v for g in logs for v in g.v2v_ms]
     later = sum(g.later_input for g in logs)
     return {

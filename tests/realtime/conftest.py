@@ -16,6 +16,7 @@ import soundfile
 import websockets
 from prometheus_client.parser import text_string_to_metric_families
 
+from omnistage.bench.realtime import preemptive_outcomes as bench_preemptive_outcomes
 from omnistage.tests.api.conftest import live_server
 
 KEY = "sk-realtime-test"
@@ -122,10 +123,4 @@ def request_outcomes(url: str) -> dict[str, float]:
 
 def preemptive_outcomes(url: str) -> dict[str, float]:
     """Preemptive realtime responses by outcome (used, discarded), from /metrics."""
-    body = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
-    out = {"used": 0.0, "discarded": 0.0}
-    for family in text_string_to_metric_families(body):
-        for s in family.samples:
-            if s.name == "omnistage_realtime_preemptive_responses_total":
-                out[s.labels["outcome"]] = s.value
-    return out
+    return bench_preemptive_outcomes(url, KEY)

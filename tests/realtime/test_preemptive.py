@@ -70,6 +70,23 @@ async def _first_audio_after(ws, mark: str, seen: list) -> tuple[float, dict]:
     return gap, await until(ws, "response.done", seen)
 
 
+async def _say_phrase(ws, silence_ms: int) -> None:
+    """A new session with server VAD (`silence_ms`) hears speech-phrase.wav, sent at once, after
+    0.5 s of silence; the silence after it is the caller's."""
+    await until(ws, "session.created")
+    await send(ws, "session.update", session=_vad(silence_ms))
+    await until(ws, "session.updated")
+    for p in packets(np.concatenate([silence(0.5), speech("speech-phrase.wav")])):
+        await send(ws, "input_audio_buffer.append", audio=p)
+
+
+def _wait_idle(url: str, deadline: float) -> None:
+    """Until the stages hold nothing (or the deadline); then asserts it."""
+    while not idle(engine_figures(url)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert idle(engine_figures(url)), engine_figures(url)
+
+
 def _answer(seen: list) -> tuple[str, int]:
     text = "".join(e["delta"] for e in seen if e["type"] == "response.output_audio_transcript.delta")
     audio = b"".join(base64.b64decode(e["delta"]) for e in seen if e["type"] == "response.output_audio.delta")
@@ -77,16 +94,12 @@ def _answer(seen: list) -> tuple[str, int]:
 
 
 def test_a_turn_starts_early_and_answers_what_it_committed(rt_server):
-    clip = speech("speech-phrase.wav")  # no pause inside: the only pause is the turn's end
+    # speech-phrase.wav has no pause inside: the only pause is the turn's end
     before = preemptive_outcomes(rt_server.url)
 
     async def talk():
         async with connect(rt_server) as ws:
-            await until(ws, "session.created")
-            await send(ws, "session.update", session=_vad(1500))
-            await until(ws, "session.updated")
-            for p in packets(np.concatenate([silence(0.5), clip])):
-                await send(ws, "input_audio_buffer.append", audio=p)
+            await _say_phrase(ws, 1500)
             seen: list = []
             pacing = asyncio.ensure_future(_paced(ws, silence(2.0)))  # the 1.5 s the VAD waits, in real time
             early_gap, done = await _first_audio_after(ws, "input_audio_buffer.speech_stopped", seen)
@@ -144,9 +157,7 @@ def test_speech_after_a_pause_aborts_the_early_response(rt_server):
     assert after["used"] == before["used"] + 1
     assert after["discarded"] >= before["discarded"] + 1
     deadline = time.monotonic() + 30
-    while not idle(engine_figures(rt_server.url)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert idle(engine_figures(rt_server.url)), engine_figures(rt_server.url)
+    _wait_idle(rt_server.url, deadline)
     # the answer and at least one early request the user talked over (aborted, or done unread
     # if the random model ended it within the pause) went through the pipeline
     requests = request_outcomes(rt_server.url)
@@ -155,16 +166,11 @@ def test_speech_after_a_pause_aborts_the_early_response(rt_server):
 
 
 def test_a_client_event_during_the_pause_discards_the_early_response(rt_server):
-    clip = speech("speech-phrase.wav")
     before = preemptive_outcomes(rt_server.url)
 
     async def talk():
         async with connect(rt_server) as ws:
-            await until(ws, "session.created")
-            await send(ws, "session.update", session=_vad(1500))
-            await until(ws, "session.updated")
-            for p in packets(np.concatenate([silence(0.5), clip])):
-                await send(ws, "input_audio_buffer.append", audio=p)
+            await _say_phrase(ws, 1500)
             await _paced(ws, silence(0.5))  # the pause has begun; the turn has not ended
             seen: list = []
             await send(ws, "conversation.item.retrieve", item_id="item_none")  # changes no answer
@@ -186,16 +192,11 @@ def test_a_client_event_during_the_pause_discards_the_early_response(rt_server):
 
 
 def test_a_client_gone_during_the_pause_leaves_nothing_running(rt_server):
-    clip = speech("speech-phrase.wav")
     before = preemptive_outcomes(rt_server.url)
 
     async def talk():
         async with connect(rt_server) as ws:
-            await until(ws, "session.created")
-            await send(ws, "session.update", session=_vad(1500))
-            await until(ws, "session.updated")
-            for p in packets(np.concatenate([silence(0.5), clip])):
-                await send(ws, "input_audio_buffer.append", audio=p)
+            await _say_phrase(ws, 1500)
             await _paced(ws, silence(0.3))  # the pause has begun: the early answer runs
             # (the socket closes here, before the turn could end)
 
@@ -205,9 +206,7 @@ def test_a_client_gone_during_the_pause_leaves_nothing_running(rt_server):
         time.sleep(0.1)
     after = preemptive_outcomes(rt_server.url)
     assert after["discarded"] == before["discarded"] + 1 and after["used"] == before["used"]
-    while not idle(engine_figures(rt_server.url)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert idle(engine_figures(rt_server.url)), engine_figures(rt_server.url)
+    _wait_idle(rt_server.url, deadline)
 
 
 def test_a_bad_preemptive_setting_stops_the_server_at_start():
@@ -226,16 +225,11 @@ def test_an_early_answer_whose_turn_never_ends_is_let_go(rt_server):
     """A client that stops sending audio mid-pause: no stop, no resume. The early answer is
     dropped after silence_duration_ms + 2 s; the turn still ends (and is answered) once the
     audio comes back."""
-    clip = speech("speech-phrase.wav")
     before = preemptive_outcomes(rt_server.url)
 
     async def talk():
         async with connect(rt_server) as ws:
-            await until(ws, "session.created")
-            await send(ws, "session.update", session=_vad(500))
-            await until(ws, "session.updated")
-            for p in packets(np.concatenate([silence(0.5), clip])):
-                await send(ws, "input_audio_buffer.append", audio=p)
+            await _say_phrase(ws, 500)
             await _paced(ws, silence(0.2))  # the pause has begun; then the microphone goes quiet
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 10
