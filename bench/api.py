@@ -20,8 +20,11 @@ Each level also reports the CPU time per completion token of every process takin
 stage workers), and the run records the load average at its start and end: on a shared machine
 the wall-clock figures move with the load, the CPU cost per token much less.
 `--server-cpus LIST --worker-cpus LIST` place the processes (docs/serving.md, "CPU placement"):
-the server runs with `--cpus`, and the LLM stage's workers of both systems with `pool.cpus`;
-the caller and the client stay where the OS puts them.
+the server runs with `--cpus`, and the LLM stage's workers of both systems with `pool.cpus`.
+`--client-cpus LIST` pins this process (the aiohttp client and the Python API's caller, so
+both systems' front ends) to those CPUs; without it the caller and the client stay where the
+OS puts them. A load generator is not part of either system, and on a 2-core machine it
+otherwise takes turns with the LLM worker that bounds both.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from omnistage.graph.fields import parse_cpu_list
+from omnistage.runtime.cpu_affinity import ALL_CPUS_ENV, check_cpus, pin_process
 
 TARGETS = {"http_vs_python_throughput_c64": (">=", 0.9), "ttft_p50_c1": ("<=", 2.0)}
 PROMPTS = [
@@ -50,17 +56,27 @@ PROMPTS = [
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the processes run: the server's --cpus and the LLM workers' pool.cpus (None: anywhere)."""
+    """Where the processes run: the server's --cpus, the LLM workers' pool.cpus and this
+    process's CPUs (the client and the Python API's caller); None: anywhere."""
 
     server_cpus: str | None = None
     worker_cpus: str | None = None
+    client_cpus: str | None = None
 
     def overrides(self) -> list[str]:
         return [f"stages.llm.pool.cpus={self.worker_cpus}"] if self.worker_cpus else []
 
     def serve_args(self) -> list[str]:
-        args = ["--cpus", self.server_cpus] if self.server_cpus else []
+        # the server inherits this process's affinity: unpinned, it gets back every CPU
+        server_cpus = self.server_cpus or (os.environ.get(ALL_CPUS_ENV) if self.client_cpus else None)
+        args = ["--cpus", server_cpus] if server_cpus else []
         return args + [f"--set={o}" for o in self.overrides()]
+
+    def pin_client(self) -> None:
+        """Narrows this process to `client_cpus` before the Python API's workers are forked
+        (they take `pool.cpus`, or the CPUs this process had)."""
+        if self.client_cpus:
+            pin_process(parse_cpu_list(self.client_cpus))
 
 
 @dataclass(frozen=True)
@@ -248,16 +264,16 @@ def _spread(values: list[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def run_bench(
-    quick: bool, progress: bool = True, repeats: int | None = None, placement: Placement | None = None
-) -> dict[str, Any]:
+def _affinity(pids: list[int]) -> list[list[int]]:
+    return [sorted(os.sched_getaffinity(pid)) for pid in pids]
+
+
+def _run_pairs(plan: Plan, repeats: int, placement: Placement, progress: bool) -> tuple[list[dict[str, Any]], dict]:
+    """`repeats` python/http phase pairs against one in-process pipeline and one server; and
+    the CPUs each process was allowed (as the OS reports them)."""
     from omnistage import Pipeline
 
-    placement = placement or Placement()
-    plan = Plan.make(quick)
-    repeats = repeats or (1 if quick else 3)
     runs: list[dict[str, Any]] = []
-    load_start = os.getloadavg()
     with Pipeline.from_yaml("tiny-llm", placement.overrides()) as pipeline, tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         proc = _serve(port, Path(tmp), placement)
@@ -265,6 +281,15 @@ def run_bench(
         python_processes = {"caller": [os.getpid()], "stage_workers": workers}
         try:
             _wait_ready(f"http://127.0.0.1:{port}", proc)
+            server_workers = [
+                p for p in _descendants(proc.pid) if b"omnistage: " in Path(f"/proc/{p}/cmdline").read_bytes()
+            ]
+            cpus = {
+                "client": _affinity([os.getpid()])[0],
+                "python_workers": _affinity(workers),
+                "server": _affinity([proc.pid])[0],
+                "server_workers": _affinity(server_workers),
+            }
             for _ in range(repeats):
                 python = asyncio.run(
                     _phase(
@@ -276,6 +301,22 @@ def run_bench(
         finally:
             proc.terminate()
             proc.wait(60)
+    return runs, cpus
+
+
+def run_bench(
+    quick: bool, progress: bool = True, repeats: int | None = None, placement: Placement | None = None
+) -> dict[str, Any]:
+    placement = placement or Placement()
+    plan = Plan.make(quick)
+    repeats = repeats or (1 if quick else 3)
+    load_start = os.getloadavg()
+    affinity = os.sched_getaffinity(0)
+    placement.pin_client()
+    try:
+        runs, cpus = _run_pairs(plan, repeats, placement, progress)
+    finally:
+        os.sched_setaffinity(0, affinity)
     spread = {key: _spread([r["figures"][key] for r in runs]) for key in TARGETS}
     ratio = spread["http_vs_python_throughput_c64"]["median"]
     middle = next(r for r in runs if r["figures"]["http_vs_python_throughput_c64"] == ratio) if repeats % 2 else runs[0]
@@ -283,7 +324,8 @@ def run_bench(
         "bench": "api",
         "quick": quick,
         "plan": {"concurrencies": list(plan.concurrencies), "max_tokens": plan.max_tokens, "repeats": repeats},
-        "placement": {"server_cpus": placement.server_cpus, "worker_cpus": placement.worker_cpus},
+        "placement": asdict(placement),
+        "cpus": cpus,
         "systems": {"python": middle["python"], "http": middle["http"]},
         "runs": runs,
         "ratios": {"http_vs_python_throughput_c64": ratio},
@@ -304,10 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--server-cpus", metavar="LIST", help="the server's CPUs (its --cpus), e.g. 0")
     ap.add_argument("--worker-cpus", metavar="LIST", help="the LLM stage workers' CPUs (pool.cpus), e.g. 1")
+    ap.add_argument("--client-cpus", metavar="LIST", help="this process's CPUs (client and Python API caller), e.g. 0")
     args = ap.parse_args(argv)
     if args.repeats is not None and args.repeats < 1:
         ap.error("--repeats must be at least 1")
-    placement = Placement(args.server_cpus, args.worker_cpus)
+    placement = Placement(args.server_cpus, args.worker_cpus, args.client_cpus)
+    if args.client_cpus:
+        try:
+            check_cpus(parse_cpu_list(args.client_cpus))
+        except ValueError as err:
+            ap.error(f"--client-cpus: {err}")
     result = run_bench(quick=args.quick, progress=not args.no_progress, repeats=args.repeats, placement=placement)
     result["command"] = "omnistage bench api " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json_path:

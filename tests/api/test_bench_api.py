@@ -59,11 +59,25 @@ def test_quick_bench_writes_both_systems(tmp_path):
 
 
 def test_quick_bench_with_the_processes_placed(tmp_path):
-    """--server-cpus / --worker-cpus: both systems answer in full and the JSON says where they ran."""
+    """--server-cpus / --worker-cpus / --client-cpus: both systems answer in full, and every
+    process ran on the CPUs it was given, as the OS reports them."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two CPUs")
-    result = _quick_bench(tmp_path, "--server-cpus", "0", "--worker-cpus", "1")
-    assert result["placement"] == {"server_cpus": "0", "worker_cpus": "1"}
+    result = _quick_bench(tmp_path, "--server-cpus", "0", "--worker-cpus", "1", "--client-cpus", "0")
+    assert result["placement"] == {"server_cpus": "0", "worker_cpus": "1", "client_cpus": "0"}
+    assert result["cpus"] == {"client": [0], "server": [0], "python_workers": [[1]], "server_workers": [[1]]}
     run = result["runs"][0]
     expected = run["python"]["c4"]["requests"] * result["plan"]["max_tokens"]
     assert run["python"]["c4"]["tokens"] == run["http"]["c4"]["tokens"] == expected
+
+
+def test_a_pinned_client_leaves_the_other_processes_every_cpu(tmp_path):
+    """--client-cpus alone narrows only the client: the server and the workers of both systems
+    (which would otherwise inherit its affinity) keep every CPU."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two CPUs")
+    everything = sorted(os.sched_getaffinity(0))
+    result = _quick_bench(tmp_path, "--client-cpus", "1")
+    assert result["cpus"]["client"] == [1]
+    assert result["cpus"]["server"] == everything
+    assert result["cpus"]["python_workers"] == result["cpus"]["server_workers"] == [everything]
