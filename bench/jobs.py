@@ -4,8 +4,9 @@ Phases, one after the other, on tiny-image (64x64, 2 denoiser steps per job):
 - python: the same requests through `Pipeline.generate` in this process, at most
   OMNISTAGE_JOBS_MAX_RUNNING (8) at once, as the jobs scheduler admits them;
 - jobs: an `omnistage serve tiny-image` subprocess; all jobs POSTed at once over 16 aiohttp
-  connections (submit latency per request), each with a webhook to a local aiohttp receiver,
-  which tells the client when every job has ended (no polling); throughput from the first
+  connections (submit latency per request), each with a webhook to a local aiohttp receiver
+  in a process of its own (bench/jobs_receiver.py), which tells the bench when every job has
+  ended (no polling); throughput from the first
   submission to the last completion; webhook latency = arrival at the receiver minus the job's
   finished_at (same machine clock);
 - crash: a fresh server; jobs submitted with idempotency keys and webhooks, the server killed
@@ -31,11 +32,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from omnistage.bench.jobs_receiver import Receiver
 
 SECRET = "whsec_" + base64.b64encode(b"omnistage-bench-jobs-secret-01").decode()
 PARAMS = {"denoiser": {"width": 64, "height": 64, "num_inference_steps": 2, "seed": 1}}
@@ -46,41 +48,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Receiver:
-    """Local webhook receiver: job id -> arrival times of its job.completed messages (and of
-    any message that says the job ended, in `ended`). An aiohttp server on its own event loop
-    thread: keep-alive connections and no thread per delivery, so the harness takes little of
-    the CPU that the server under test shares with it."""
-
-    def __init__(self):
-        from aiohttp import web
-
-        self.completed: dict[str, list[float]] = {}
-        self.ended: set[str] = set()
-
-        async def hook(request: web.Request) -> web.Response:
-            body = await request.json()
-            if body["type"] == "job.completed":
-                self.completed.setdefault(body["data"]["id"], []).append(time.time())
-            if body["type"] in ("job.completed", "job.failed", "job.canceled"):
-                self.ended.add(body["data"]["id"])
-            return web.Response(status=200)
-
-        app = web.Application()
-        app.router.add_post("/hook", hook)
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app, access_log=None)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", 0).start())
-        port = self.runner.addresses[0][1]
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{port}/hook"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def _start_server(directory: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -192,19 +159,16 @@ def jobs_phase(n: int, work: Path, receiver: Receiver) -> dict:
             # told by the webhooks, as a client of the jobs API is, rather than polling every job
             # (which would spend server time the python phase does not); then each job read once
             ids = [r[0] for r in results]
-            deadline = time.monotonic() + 1800
-            while time.monotonic() < deadline and not receiver.ended.issuperset(ids):
-                time.sleep(0.05)
+            receiver.wait("ended", len(ids), timeout=1800)
             jobs = _wait_all(client, ids)
+            completed, _ = receiver.state()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     first_submit = min(r[2] for r in results)
     wall = max(j["finished_at"] for j in jobs) - first_submit
     latencies = sorted(r[1] for r in results)
-    webhook_ms = sorted(
-        (receiver.completed[j["id"]][0] - j["finished_at"]) * 1000 for j in jobs if j["id"] in receiver.completed
-    )
+    webhook_ms = sorted((completed[j["id"]][0] - j["finished_at"]) * 1000 for j in jobs if j["id"] in completed)
     return {
         "jobs_per_s": n / wall,
         "submit_ms_p50": statistics.median(latencies),
@@ -222,9 +186,7 @@ def crash_phase(n: int, work: Path) -> dict:
     with httpx.Client(base_url=url, timeout=60) as client:
         for i, key in enumerate(keys):
             client.post("/v1/jobs", json=_job(i, receiver.url), headers={"Idempotency-Key": key})
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(receiver.completed) < n // 4:
-            time.sleep(0.01)
+        receiver.wait("completed", n // 4, timeout=120)
     _kill_9(proc)
     proc, url = _start_server(directory, work / "crash-server.log")
     try:
@@ -241,9 +203,8 @@ def crash_phase(n: int, work: Path) -> dict:
                 listed = client.get("/v1/jobs", params={"limit": 100, "after": after}).json()
                 total += len(listed["data"])
                 after = listed["data"][-1]["id"] if listed["data"] else after
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and len(receiver.completed) < n:
-                time.sleep(0.05)
+            receiver.wait("completed", n, timeout=30)
+            completed, _ = receiver.state()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
@@ -251,7 +212,7 @@ def crash_phase(n: int, work: Path) -> dict:
     return {
         "lost_jobs": sum(j["status"] != "completed" for j in jobs),
         "duplicate_jobs": total - n,
-        "lost_webhook_events": sum(1 for i in ids if i not in receiver.completed),
+        "lost_webhook_events": sum(1 for i in ids if i not in completed),
         "reruns": sum(j["attempts"] > 1 for j in jobs),
     }
 
