@@ -8,10 +8,12 @@ is built once per step and shared by every layer.
 Decode. Gathering every decoding sequence's context through its block table costs a full
 copy of the batch's KV per layer per step. `DecodeBuffer` avoids it: it keeps a contiguous,
 padded copy [2, kv_heads, rows, L, d] of the decoding sequences' K/V (the paged cache stays
-the source of truth). While the set of decoding sequences stays the same, a step only appends
-each sequence's new K/V to its row; when sequences join (or too many rows died), the buffer is
-rebuilt with one block gather. Rows are sorted by context length and attended in length
-groups (one SDPA call each) so padding stays small; the query heads of one KV head play the
+the source of truth). A step appends each sequence's new K/V to its row; a sequence that
+leaves leaves a dead row, and one that joins takes a dead or unused row, filled from its
+blocks. The buffer is rebuilt with one block gather, its rows sorted by context length, when
+too many rows are dead, there is no row free, a row outgrows it, or joins have left the rows
+so far out of length order that they need more length groups (one SDPA call each, so
+padding stays small) than sorted rows would, by more than JOIN_EXTRA_GROUPS; the query heads of one KV head play the
 query-length axis (GQA without repeating K/V). When the buffer would exceed its memory cap,
 each step gathers instead (`DecodeGroup`).
 
@@ -27,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels.triton.metadata import PagedKernelMeta, build_paged_meta
+
+JOIN_EXTRA_GROUPS = 0  # SDPA calls per layer that rows joined out of length order may add before a rebuild
 
 
 def _additive_mask(lens: list[int], length: int, device, dtype=torch.float32) -> torch.Tensor:
@@ -53,6 +57,17 @@ def _length_groups(lens: list[int], max_padding_ratio: float, min_group: int = 4
     return groups
 
 
+def _attended_lens(row_len: list[int]) -> list[int]:
+    """Each buffer row's attended length; a dead row (0) takes its neighbour's, so it does not
+    split a length group: it attends stale but finite K/V and its output is never read."""
+    out, prev = [], 0
+    for n in row_len:
+        prev = n if n > 0 else prev
+        out.append(prev)
+    first = next((n for n in out if n > 0), 1)
+    return [n if n > 0 else first for n in out]
+
+
 @dataclass
 class DecodeGroup:
     """Gather path: decode rows [token_start, token_start + num_seqs) of the flat batch."""
@@ -75,6 +90,9 @@ class BufferPlan:
     groups: list[tuple[int, int, int, torch.Tensor]]  # (row_start, row_end, L, additive mask [1, rows, 1, L])
     rebuild_block_ids: torch.Tensor | None = None  # [R * nb] when the buffer is (re)filled this step
     rebuild_len: int = 0  # nb * block_size
+    join_rows: torch.Tensor | None = None  # [J] rows taken this step by sequences new to the buffer
+    join_block_ids: torch.Tensor | None = None  # [J * nb] their blocks
+    join_len: int = 0  # nb * block_size
 
 
 @dataclass
@@ -129,6 +147,7 @@ class DecodeBuffer:
         self.row_len: list[int] = []
         self.capacity_len = 0
         self.num_rebuilds = 0
+        self.num_joins = 0
 
     def reset(self) -> None:
         self.row_of, self.row_len = {}, []
@@ -153,58 +172,26 @@ class DecodeBuffer:
     ) -> BufferPlan | None:
         """keys: a never-reused id per decoding sequence; lens: context length incl. the new token.
         Returns None when the buffer would not fit its memory cap (the caller gathers instead)."""
-        reuse = bool(self.row_len) and all(
-            k in self.row_of and self.row_len[self.row_of[k]] == n - 1 and n <= self.capacity_len
-            for k, n in zip(keys, lens)
-        )
-        if reuse and len(self.row_len) - len(keys) > self.max_dead_fraction * len(self.row_len):
-            reuse = False
-        if reuse:
-            live = set(keys)
-            for k in [k for k in self.row_of if k not in live]:
-                self.row_len[self.row_of.pop(k)] = 0  # finished / paused: a dead row until the next rebuild
+        joins = self._place_joiners(keys, lens, max_padding_ratio)
+        if joins is None:
+            rows, rebuild_ids, rebuild_len = self._rebuild(keys, lens, tables)
+            if rows is None:
+                return None
+            join_rows = join_ids = None
+            join_len = 0
+        else:
             rows = [self.row_of[k] for k in keys]
             for r, n in zip(rows, lens):
                 self.row_len[r] = n
             rebuild_ids, rebuild_len = None, 0
-        else:
-            bs = self.block_size
-            cap = min(-(-(max(lens) + self.headroom) // bs) * bs, -(-self.max_len // bs) * bs)
-            have_rows, have_len = (self.buffers[0].shape[2], self.buffers[0].shape[3]) if self.buffers else (0, 0)
-            # Grow-only allocation: a fresh one is page-faulted in at first touch, which costs more than the gather.
-            rows_cap, len_cap = max(have_rows, len(keys)), max(have_len, cap)
-            need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
-            if need > self.max_bytes:
-                rows_cap, len_cap = len(keys), cap
-                need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
-                if need > self.max_bytes:
-                    self.buffers = []
-                    self.reset()
-                    return None
-            order = sorted(range(len(keys)), key=lambda i: lens[i])
-            self.row_of = {keys[i]: r for r, i in enumerate(order)}
-            self.row_len = [lens[i] for i in order]
-            rows = [self.row_of[k] for k in keys]
-            if (rows_cap, len_cap) != (have_rows, have_len):
-                shape = (2, self.kvh, rows_cap, len_cap, self.d)
-                # Zeros, not empty: masked positions still enter SDPA's P @ V (0 * NaN = NaN), so
-                # every slot must always hold a finite value.
-                self.buffers = [
-                    torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-                ]
-            self.capacity_len = len_cap
-            nb = -(-max(lens) // bs)
-            table = torch.zeros(len(keys), nb, dtype=torch.long)
-            for r, i in enumerate(order):
-                used = tables[i][: -(-lens[i] // bs)]
-                table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
-            rebuild_ids, rebuild_len = table.flatten().to(self.device), nb * bs
-            self.num_rebuilds += 1
-        mask_lens = [max(n, 1) for n in self.row_len]  # dead rows attend position 0 (output unused)
+            join_rows, join_ids, join_len = self._join_gather(joins, lens, tables)
+        mask_lens = _attended_lens(self.row_len)
         groups = []
         for a, b in _length_groups(mask_lens, max_padding_ratio):
             L = max(mask_lens[a:b])
-            groups.append((a, b, L, _additive_mask(mask_lens[a:b], L, self.device, self.dtype)))
+            lens_ab = mask_lens[a:b]
+            mask = None if min(lens_ab) == L else _additive_mask(lens_ab, L, self.device, self.dtype)
+            groups.append((a, b, L, mask))
         return BufferPlan(
             buffers=self.buffers,
             token_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
@@ -213,7 +200,108 @@ class DecodeBuffer:
             groups=groups,
             rebuild_block_ids=rebuild_ids,
             rebuild_len=rebuild_len,
+            join_rows=join_rows,
+            join_block_ids=join_ids,
+            join_len=join_len,
         )
+
+    def _place_joiners(
+        self, keys: list[int], lens: list[int], max_padding_ratio: float
+    ) -> list[tuple[int, int]] | None:
+        """Keeps the buffer when every sequence already in it grew by exactly its new token:
+        rows of sequences gone become dead, and sequences new to the buffer take dead or unused
+        rows. Returns (batch index, row) per joining sequence, or None: rebuild instead (too many
+        dead rows, no room, a row outgrowing the buffer's length, or none kept yet)."""
+        if not self.row_len:
+            return None
+        joining = []
+        for i, (k, n) in enumerate(zip(keys, lens)):
+            if n > self.capacity_len:
+                return None
+            r = self.row_of.get(k)
+            if r is None:
+                joining.append(i)
+            elif self.row_len[r] != n - 1:
+                return None
+        live = set(keys)
+        free = [self.row_of.pop(k) for k in [k for k in self.row_of if k not in live]]
+        for r in free:
+            self.row_len[r] = 0  # finished / paused: a dead row until reused or rebuilt
+        free = sorted(r for r, n in enumerate(self.row_len) if n == 0)
+        spare = self.buffers[0].shape[2] - len(self.row_len)
+        if len(joining) > len(free) + spare:
+            return None
+        joins = []
+        for i in joining:
+            if free:
+                r = free.pop(0)
+            else:
+                r = len(self.row_len)
+                self.row_len.append(0)
+            self.row_of[keys[i]] = r
+            joins.append((i, r))
+        dead = len(self.row_len) - len(keys)
+        if dead > self.max_dead_fraction * len(self.row_len):
+            return None
+        if joins and self._scattered(keys, lens, max_padding_ratio):
+            return None  # joined out of length order: rebuild (sorts the rows again)
+        self.num_joins += len(joins)
+        return joins
+
+    def _scattered(self, keys: list[int], lens: list[int], max_padding_ratio: float) -> bool:
+        """Whether the rows, once every one has its new length, would need more length groups
+        (SDPA calls) than the same lengths sorted, by more than JOIN_EXTRA_GROUPS."""
+        row_len = list(self.row_len)
+        for k, n in zip(keys, lens):
+            row_len[self.row_of[k]] = n
+        mask_lens = _attended_lens(row_len)
+        here = len(_length_groups(mask_lens, max_padding_ratio))
+        return here > len(_length_groups(sorted(mask_lens), max_padding_ratio)) + JOIN_EXTRA_GROUPS
+
+    def _join_gather(
+        self, joins: list[tuple[int, int]], lens: list[int], tables: list[list[int]]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """Block ids that copy each joining sequence's context into its row."""
+        if not joins:
+            return None, None, 0
+        bs = self.block_size
+        nb = -(-max(lens[i] for i, _ in joins) // bs)
+        ids = [(tables[i][: -(-lens[i] // bs)] + [0] * nb)[:nb] for i, _ in joins]
+        rows = torch.tensor([r for _, r in joins], dtype=torch.long, device=self.device)
+        return rows, torch.tensor(ids, dtype=torch.long).flatten().to(self.device), nb * bs
+
+    def _rebuild(
+        self, keys: list[int], lens: list[int], tables: list[list[int]]
+    ) -> tuple[list[int] | None, torch.Tensor | None, int]:
+        """Rows for every decoding sequence, sorted by length, filled by one block gather: (each
+        sequence's row, the block ids, the gathered length); (None, None, 0) over the memory cap."""
+        bs = self.block_size
+        cap = min(-(-(max(lens) + self.headroom) // bs) * bs, -(-self.max_len // bs) * bs)
+        have_rows, have_len = (self.buffers[0].shape[2], self.buffers[0].shape[3]) if self.buffers else (0, 0)
+        # Grow-only allocation: a fresh one is page-faulted in at first touch, which costs more than the gather.
+        rows_cap, len_cap = max(have_rows, len(keys)), max(have_len, cap)
+        need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
+        if need > self.max_bytes:
+            rows_cap, len_cap = len(keys), cap
+            need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
+            if need > self.max_bytes:
+                self.buffers = []
+                self.reset()
+                return None, None, 0
+        order = sorted(range(len(keys)), key=lambda i: lens[i])
+        self.row_of = {keys[i]: r for r, i in enumerate(order)}
+        self.row_len = [lens[i] for i in order]
+        if (rows_cap, len_cap) != (have_rows, have_len):
+            shape = (2, self.kvh, rows_cap, len_cap, self.d)
+            # Zeros, not empty: masked positions still enter SDPA's P @ V (0 * NaN = NaN), so
+            # every slot must always hold a finite value.
+            self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.capacity_len = len_cap
+        nb = -(-max(lens) // bs)
+        table = [(tables[i][: -(-lens[i] // bs)] + [0] * nb)[:nb] for i in order]
+        self.num_rebuilds += 1
+        rows = [self.row_of[k] for k in keys]
+        return rows, torch.tensor(table, dtype=torch.long).flatten().to(self.device), nb * bs
 
 
 def build_metadata(
@@ -340,6 +428,9 @@ def _buffered_decodes(q, kv, by_block, meta: AttentionMetadata, layer_index: int
         L = plan.rebuild_len
         buf[:, :, :R, :L] = torch.index_select(by_block, 1, plan.rebuild_block_ids).view(2, kvh, R, L, d)
     else:
+        if plan.join_rows is not None:
+            J, L = plan.join_rows.numel(), plan.join_len
+            buf[:, :, plan.join_rows, :L] = torch.index_select(by_block, 1, plan.join_block_ids).view(2, kvh, J, L, d)
         new_kv = kv[:nd].view(nd, 2, kvh, d).permute(1, 2, 0, 3)  # [2, kvh, B, d]
         buf[:, :, plan.token_rows, plan.token_pos] = new_kv
     q_rows = q.new_zeros(R, n_heads, d)

@@ -241,6 +241,7 @@ class LLMEngine:
             "computed_tokens": self._computed_tokens,
             "max_model_len": self.max_model_len,
             "decode_buffer_rebuilds": self.decode_buffer.num_rebuilds if self.decode_buffer else 0,
+            "decode_buffer_joins": self.decode_buffer.num_joins if self.decode_buffer else 0,
             "decode_graphs_captured": self.graphs.num_captured if self.graphs else 0,
             "decode_graph_replays": self.graphs.num_replays if self.graphs else 0,
         }
