@@ -37,7 +37,7 @@ from omnistage.ray_serve.options import deployment_name
 from omnistage.runtime.ledger import SlotBook
 from omnistage.runtime.messages import Abort, Deliver, Emit, PermitsTaken
 from omnistage.runtime.replicas import Replica, ReplicaState
-from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
+from omnistage.runtime.routing import RequestRecord, Router, Sink, drain_requests, safe_sink
 from omnistage.runtime.shm import SegmentReader
 from omnistage.runtime.threads import start_without_stop_signals
 
@@ -138,12 +138,7 @@ class RayDriver:
             if self.closed:
                 return
             self.closing = True
-            end = time.monotonic() + max(0.0, drain_timeout)
-            while self._requests and time.monotonic() < end:
-                self._cond.wait(min(0.1, max(0.0, end - time.monotonic())))
-            for req in list(self._requests.values()):
-                error = PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished")
-                self._router.finish(req, error, "closed")
+            drain_requests(self._cond, self._requests, self._router, self.spec.name, drain_timeout)
             self.closed = True
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(self._stop_tasks(), self.loop).result(timeout=10)

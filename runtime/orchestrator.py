@@ -51,7 +51,7 @@ from omnistage.runtime.messages import (
 )
 from omnistage.runtime.recovery import Recovery
 from omnistage.runtime.replicas import Replica, ReplicaState, WorkerProcesses
-from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
+from omnistage.runtime.routing import RequestRecord, Router, Sink, drain_requests, safe_sink
 from omnistage.runtime.shm import (
     SegmentPool,
     SegmentReader,
@@ -171,15 +171,7 @@ class Orchestrator:
             if self.closed:
                 return
             self.closing = True
-            end = time.monotonic() + max(0.0, drain_timeout)
-            while self._requests and time.monotonic() < end:
-                self._cond.wait(min(0.1, max(0.0, end - time.monotonic())))
-            for req in list(self._requests.values()):
-                self._router.finish(
-                    req,
-                    PipelineClosedError(f"pipeline {self.spec.name!r} closed before the request finished"),
-                    "closed",
-                )
+            drain_requests(self._cond, self._requests, self._router, self.spec.name, drain_timeout)
             self._stopping = True
             starting = self._workers.request_shutdown(self._all_replicas)
         self._wake()
