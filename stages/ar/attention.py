@@ -13,8 +13,8 @@ leaves leaves a dead row, and one that joins takes a dead or unused row, filled 
 blocks. The buffer is rebuilt with one block gather, its rows sorted by context length, when
 too many rows are dead, there is no row free, a row outgrows it, or joins have left the rows
 so far out of length order that they need more length groups (one SDPA call each, so
-padding stays small) than sorted rows would, by more than JOIN_EXTRA_GROUPS; the query heads of one KV head play the
-query-length axis (GQA without repeating K/V). When the buffer would exceed its memory cap,
+padding stays small) than sorted rows would, by more than JOIN_EXTRA_GROUPS. The query heads
+of one KV head play the query-length axis (GQA without repeating K/V). When the buffer would exceed its memory cap,
 each step gathers instead (`DecodeGroup`).
 
 Prefill chunks attend one SDPA call each (causal; chunks that continue a cached prefix gather
@@ -58,8 +58,9 @@ def _length_groups(lens: list[int], max_padding_ratio: float, min_group: int = 4
 
 
 def _attended_lens(row_len: list[int]) -> list[int]:
-    """Each buffer row's attended length; a dead row (0) takes its neighbour's, so it does not
-    split a length group: it attends stale but finite K/V and its output is never read."""
+    """Each buffer row's attended length; a dead row (0) takes the previous live row's (leading
+    dead rows the first live row's), so it does not split a length group: it attends stale but
+    finite K/V and its output is never read."""
     out, prev = [], 0
     for n in row_len:
         prev = n if n > 0 else prev
