@@ -20,8 +20,8 @@ import torch
 from omnistage.errors import InvalidRequestError
 from omnistage.kernels import triton as triton_kernels
 from omnistage.stages.ar import decode_graphs
-from omnistage.stages.ar.attention import DecodeBuffer
 from omnistage.stages.ar.config import EngineConfig, SamplingParams, load_model_config
+from omnistage.stages.ar.decode_buffer import DecodeBuffer
 from omnistage.stages.ar.kv_cache import BlockManager, KVCache
 from omnistage.stages.ar.loader import load_model
 from omnistage.stages.ar.model_runner import FlatBatch, ModelRunner

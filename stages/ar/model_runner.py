@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.stages.ar.attention import AttentionMetadata, DecodeBuffer, build_metadata
+from omnistage.stages.ar.attention import AttentionMetadata, build_metadata
+from omnistage.stages.ar.decode_buffer import DecodeBuffer
 from omnistage.stages.ar.decode_graphs import DecodeGraphs, GraphStep
 from omnistage.stages.ar.kv_cache import KVCache
 from omnistage.stages.ar.sampler import Sampler
