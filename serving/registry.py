@@ -19,6 +19,7 @@ from typing import Any
 
 from omnistage.errors import OmnistageError
 from omnistage.serving.errors import ModelNotFoundError, ServiceUnavailableError
+from omnistage.serving.warmup import warm_serving
 
 log = logging.getLogger("omnistage.serving")
 
@@ -199,6 +200,9 @@ class PipelineRegistry:
             if not self._closing.is_set():
                 self._fail(entry, exc)
             return
+        spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+        if spec is not None:
+            warm_serving(spec)  # before READY: no request waits for the first encode's imports
         if self._closing.is_set():
             return
         entry.load_seconds = time.monotonic() - started
