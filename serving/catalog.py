@@ -71,7 +71,7 @@ def _outputs(spec: Any) -> dict[str, dict[str, Any]]:
 
 def describe_pipeline(entry: Any, *, detail: bool = True) -> dict[str, Any]:
     """One pipeline's card; `detail` adds its stages' params and the example request."""
-    spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+    spec = entry.effective_spec
     card: dict[str, Any] = {
         "id": entry.name,
         "object": "pipeline",

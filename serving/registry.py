@@ -40,8 +40,13 @@ class PipelineEntry:
     load_seconds: float | None = None
 
     @property
+    def effective_spec(self) -> Any:
+        """The parsed spec, or the built pipeline's own when it was added built (None without either)."""
+        return self.spec if self.spec is not None else getattr(self.pipeline, "spec", None)
+
+    @property
     def stage_names(self) -> list[str]:
-        spec = self.spec if self.spec is not None else getattr(self.pipeline, "spec", None)
+        spec = self.effective_spec
         return list(spec.stages) if spec is not None else []
 
     def is_ready(self) -> bool:
@@ -200,9 +205,8 @@ class PipelineRegistry:
             if not self._closing.is_set():
                 self._fail(entry, exc)
             return
-        spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
-        if spec is not None:
-            warm_serving(spec)  # before READY: no request waits for the first encode's imports
+        if entry.effective_spec is not None:
+            warm_serving(entry.effective_spec)  # before READY: no request waits for the first encode's imports
         if self._closing.is_set():
             return
         entry.load_seconds = time.monotonic() - started

@@ -198,7 +198,7 @@ class JobService:
         entry = self.registry.entry(model)
         if entry is None:
             raise ModelNotFoundError(model, self.registry.names())
-        spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+        spec = entry.effective_spec
         if spec is not None:
             _to_inputs(spec, inputs)
             # once it is ready its checkpoint is on disk: what the stages would refuse, now

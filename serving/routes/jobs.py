@@ -295,7 +295,7 @@ async def job_stream_download(job_id: str, request: Request):
 
 def _formats(service: JobService, job: Job) -> dict:
     entry = service.registry.entry(job.model)
-    spec = None if entry is None else (entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None))
+    spec = None if entry is None else entry.effective_spec
     return output_formats(spec, job.output_format) if spec is not None else {}
 
 

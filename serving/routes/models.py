@@ -13,7 +13,7 @@ router = APIRouter(tags=["models"])
 
 
 def _model_card(entry) -> dict:
-    spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+    spec = entry.effective_spec
     serves = getattr(spec, "serves", None) or {}
     modalities = {family: s.modalities for family, s in serves.items()}
     if video_port(spec) is not None:  # /v1/videos needs no `serves:` entry

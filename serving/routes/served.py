@@ -72,7 +72,7 @@ def served_pipeline(request: Request, model: str, family: str) -> Served:
     entry = registry.entry(model)
     if entry is None:
         raise ModelNotFoundError(model, registry.names())
-    spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+    spec = entry.effective_spec
     serves = getattr(spec, "serves", None) or {}
     if family not in serves:
         takers = [e.name for e in registry.entries() if family in (getattr(e.spec, "serves", None) or {})]

@@ -66,7 +66,7 @@ def _video_pipeline(request: Request, model: str | None) -> tuple[str, Any, str]
     registry = request.app.state.registry
     candidates = []
     for entry in registry.entries():
-        spec = entry.spec if entry.spec is not None else getattr(entry.pipeline, "spec", None)
+        spec = entry.effective_spec
         port = video_port(spec)
         if port is not None:
             candidates.append((entry.name, spec, port))
