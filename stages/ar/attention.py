@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.kernels.triton.metadata import PagedKernelMeta, build_paged_meta
-from omnistage.stages.ar.decode_buffer import BufferPlan, DecodeBuffer, additive_mask, length_groups
+from omnistage.stages.ar.decode_buffer import BufferPlan, DecodeBuffer, length_groups, length_mask, padded_block_ids
 
 
 @dataclass
@@ -105,14 +105,8 @@ def build_metadata(
     if decode_lens and meta.buffer_plan is None:
         for a, b in length_groups(decode_lens, max_padding_ratio):
             lens = decode_lens[a:b]
-            nb = -(-max(lens) // block_size)
-            L = nb * block_size
-            table = torch.zeros(b - a, nb, dtype=torch.long)
-            for r, bt in enumerate(decode_tables[a:b]):
-                used = bt[: -(-lens[r] // block_size)]
-                table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
-            mask = None if all(n == L for n in lens) else additive_mask(lens, L, device, dtype)
-            meta.decode_groups.append(DecodeGroup(a, b - a, table.flatten().to(device), L, mask))
+            ids, L = padded_block_ids(decode_tables[a:b], lens, block_size, device)
+            meta.decode_groups.append(DecodeGroup(a, b - a, ids, L, length_mask(lens, L, device, dtype)))
     start = len(decode_lens)
     out_rows = list(range(len(decode_lens)))
     for (ctx, n, bt), need in zip(prefill_specs, needs):

@@ -30,6 +30,19 @@ def additive_mask(lens: list[int], length: int, device, dtype=torch.float32) -> 
     return mask.view(1, len(lens), 1, length).to(device)
 
 
+def length_mask(lens: list[int], length: int, device, dtype=torch.float32) -> torch.Tensor | None:
+    """additive_mask, or None when every row attends all `length` positions."""
+    return None if min(lens) == length else additive_mask(lens, length, device, dtype)
+
+
+def padded_block_ids(tables: list[list[int]], lens: list[int], block_size: int, device) -> tuple[torch.Tensor, int]:
+    """Each sequence's blocks covering its `lens` tokens, padded with block 0 to the longest,
+    flattened [len(tables) * nb]; and the gathered length nb * block_size."""
+    nb = -(-max(lens) // block_size)
+    ids = [(table[: -(-n // block_size)] + [0] * nb)[:nb] for table, n in zip(tables, lens)]
+    return torch.tensor(ids, dtype=torch.long).flatten().to(device), nb * block_size
+
+
 def length_groups(lens: list[int], max_padding_ratio: float, min_group: int = 4) -> list[tuple[int, int]]:
     """Cut rows (roughly sorted by length) into ranges whose padded size stays under the ratio."""
     groups: list[tuple[int, int]] = []
@@ -106,6 +119,10 @@ class DecodeBuffer:
     def reset(self) -> None:
         self.row_of, self.row_len = {}, []
 
+    def _bytes(self, rows: int, length: int) -> int:
+        """The buffer's size for `rows` rows of `length` positions, K and V of every layer."""
+        return self.num_layers * 2 * self.kvh * rows * length * self.d * self.elt
+
     def reserve(self, rows: int, length: int) -> bool:
         """Allocate (and page in) the buffer for `rows` sequences of up to `length` tokens now,
         at engine start, so the first batches do not pay for growing it step by step. False
@@ -114,7 +131,7 @@ class DecodeBuffer:
         length = -(-min(length, self.max_len) // bs) * bs
         if rows < 1 or length < 1:
             return False
-        if self.num_layers * 2 * self.kvh * rows * length * self.d * self.elt > self.max_bytes:
+        if self._bytes(rows, length) > self.max_bytes:
             return False
         shape = (2, self.kvh, rows, length, self.d)
         self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -143,9 +160,7 @@ class DecodeBuffer:
         groups = []
         for a, b in length_groups(mask_lens, max_padding_ratio):
             L = max(mask_lens[a:b])
-            lens_ab = mask_lens[a:b]
-            mask = None if min(lens_ab) == L else additive_mask(lens_ab, L, self.device, self.dtype)
-            groups.append((a, b, L, mask))
+            groups.append((a, b, L, length_mask(mask_lens[a:b], L, self.device, self.dtype)))
         return BufferPlan(
             buffers=self.buffers,
             token_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
@@ -218,11 +233,10 @@ class DecodeBuffer:
         """Block ids that copy each joining sequence's context into its row."""
         if not joins:
             return None, None, 0
-        bs = self.block_size
-        nb = -(-max(lens[i] for i, _ in joins) // bs)
-        ids = [(tables[i][: -(-lens[i] // bs)] + [0] * nb)[:nb] for i, _ in joins]
         rows = torch.tensor([r for _, r in joins], dtype=torch.long, device=self.device)
-        return rows, torch.tensor(ids, dtype=torch.long).flatten().to(self.device), nb * bs
+        ids, length = padded_block_ids([tables[i] for i, _ in joins], [lens[i] for i, _ in joins],
+                                       self.block_size, self.device)  # fmt: skip
+        return rows, ids, length
 
     def _rebuild(
         self, keys: list[int], lens: list[int], tables: list[list[int]]
@@ -234,11 +248,9 @@ class DecodeBuffer:
         have_rows, have_len = (self.buffers[0].shape[2], self.buffers[0].shape[3]) if self.buffers else (0, 0)
         # Grow-only allocation: a fresh one is page-faulted in at first touch, which costs more than the gather.
         rows_cap, len_cap = max(have_rows, len(keys)), max(have_len, cap)
-        need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
-        if need > self.max_bytes:
+        if self._bytes(rows_cap, len_cap) > self.max_bytes:
             rows_cap, len_cap = len(keys), cap
-            need = self.num_layers * 2 * self.kvh * rows_cap * len_cap * self.d * self.elt
-            if need > self.max_bytes:
+            if self._bytes(rows_cap, len_cap) > self.max_bytes:
                 self.buffers = []
                 self.reset()
                 return None, None, 0
@@ -251,8 +263,6 @@ class DecodeBuffer:
             # every slot must always hold a finite value.
             self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.capacity_len = len_cap
-        nb = -(-max(lens) // bs)
-        table = [(tables[i][: -(-lens[i] // bs)] + [0] * nb)[:nb] for i in order]
+        ids, length = padded_block_ids([tables[i] for i in order], [lens[i] for i in order], bs, self.device)
         self.num_rebuilds += 1
-        rows = [self.row_of[k] for k in keys]
-        return rows, torch.tensor(table, dtype=torch.long).flatten().to(self.device), nb * bs
+        return [self.row_of[k] for k in keys], ids, length
