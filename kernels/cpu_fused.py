@@ -78,6 +78,7 @@ def load(verbose: bool = False) -> ModuleType | None:
             return _module
         try:
             _module = _load(verbose)
+            _follow_torch_sum(_module)
         except Exception as exc:  # noqa: BLE001 - any build problem means: use the eager ops
             log.warning(
                 "omnistage: fused CPU kernels unavailable, using eager ops (%s: %s)",
@@ -115,6 +116,31 @@ def _load(verbose: bool) -> ModuleType:
     tmp.write_text(str(built))
     tmp.replace(ready)
     return module
+
+
+def _follow_torch_sum(module: ModuleType) -> None:
+    """Set the vector width RMSNorm's sum of squares follows to the one that makes the fused
+    norm bit-identical to transformers' eager one on this machine (ATen's float sum adds in
+    an order that depends on it)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(n, generator=g) * 3 for n in (5, 40, 100, 896, 1000, 3584)]
+
+    def exact() -> bool:
+        for x in rows:
+            w = torch.randn(x.numel(), generator=g)
+            want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+            if not torch.equal(module.rms_norm(x.view(1, -1), w, 1e-6)[0], want):
+                return False
+        return True
+
+    for lanes in (8, 16):
+        module.set_sum_lanes(lanes)
+        if exact():
+            return
+    module.set_sum_lanes(8)
+    log.warning("omnistage: the fused RMSNorm rounds unlike torch's on this machine (greedy outputs may differ)")
 
 
 def _reset_for_tests() -> None:

@@ -4,7 +4,8 @@
 // the caches costs several times what it costs with its code cached (the dispatcher's code and
 // data were evicted; docs/bench-ar.md has the figures), and an RMSNorm is six such ops. One
 // call here replaces them. Built with -ffp-contract=off so products and sums round exactly as the eager
-// ops do; only the sum of squares in RMSNorm is accumulated in a different order.
+// ops do, and RMSNorm's sum of squares is accumulated in the order of ATen's float sum, so the
+// norms are bit-identical to transformers' x.pow(2).mean(-1) too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,10 +21,76 @@ constexpr int64_t kGrainElements = 32768;  // below this, one thread (as ATen's 
 
 int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)); }
 
+// Lanes of ATen's Vectorized<float> in its sum kernel on this machine; cpu_fused.py sets it
+// after checking which width reproduces torch.sum.
+int g_sum_lanes = 8;
+
+int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  int64_t bits = 0;
+  for (uint64_t v = static_cast<uint64_t>(x) - 1; v; v >>= 1) ++bits;
+  return bits;
+}
+
+// sum(x[i] * x[i]) in the order of ATen's cascade sum over a contiguous row (SumKernel.cpp):
+// vectors of L lanes dealt round-robin to four accumulators, whose groups of four vectors are
+// summed in levels of 2^p groups; left-over vectors go to the first accumulator, the four are
+// folded in order, then the scalar tail and the L lanes are added one by one.
+template <int L>
+float sum_squares_aten_order(const float* x, int64_t n) {
+  constexpr int kLevels = 4, kIlp = 4;
+  const int64_t vectors = n / L, groups = vectors / kIlp;
+  const int64_t power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  float acc[kLevels][kIlp][L] = {};
+  auto add_group = [&](int64_t g) {
+    for (int k = 0; k < kIlp; ++k) {
+      const float* v = x + (g * kIlp + k) * L;
+#pragma omp simd
+      for (int l = 0; l < L; ++l) acc[0][k][l] += v[l] * v[l];
+    }
+  };
+  auto fold = [&](int into, int from, bool clear) {
+    for (int k = 0; k < kIlp; ++k) {
+#pragma omp simd
+      for (int l = 0; l < L; ++l) {
+        acc[into][k][l] += acc[from][k][l];
+        if (clear) acc[from][k][l] = 0.f;
+      }
+    }
+  };
+  int64_t g = 0;
+  while (g + step <= groups) {
+    for (int64_t j = 0; j < step; ++j, ++g) add_group(g);
+    for (int level = 1; level < kLevels; ++level) {
+      fold(level, level - 1, true);
+      if ((g & (mask << (level * power))) != 0) break;
+    }
+  }
+  for (; g < groups; ++g) add_group(g);
+  for (int level = 1; level < kLevels; ++level) fold(0, level, false);
+  float* first = acc[0][0];
+  for (int64_t v = groups * kIlp; v < vectors; ++v) {
+#pragma omp simd
+    for (int l = 0; l < L; ++l) first[l] += x[v * L + l] * x[v * L + l];
+  }
+  for (int k = 1; k < kIlp; ++k) {
+#pragma omp simd
+    for (int l = 0; l < L; ++l) first[l] += acc[0][k][l];
+  }
+  float total = 0.f;
+  for (int64_t i = vectors * L; i < n; ++i) total += x[i] * x[i];
+  for (int l = 0; l < L; ++l) total += first[l];
+  return total;
+}
+
+inline float sum_squares(const float* x, int64_t n) {
+  if (n < g_sum_lanes) return sum_squares_aten_order<1>(x, n);  // ATen's scalar path: the same cascade
+  return g_sum_lanes == 16 ? sum_squares_aten_order<16>(x, n) : sum_squares_aten_order<8>(x, n);
+}
+
 inline void norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float ss = sum_squares(x, n);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv) * w[i];
@@ -208,6 +275,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of a 2-D float32 tensor");
   m.def("add_rms_norm_", &add_rms_norm_, "y += residual; return RMSNorm(y)");
   m.def("rope_", &rope_, "rotate-half RoPE in place");
+  m.def("set_sum_lanes", [](int lanes) {
+    TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 8 or 16");
+    g_sum_lanes = lanes;
+  }, "vector width of ATen's float sum, which RMSNorm's sum of squares follows");
   register_token2wav_kernels(m);
   register_token2wav_layer_kernels(m);
 }
