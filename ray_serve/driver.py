@@ -23,10 +23,6 @@ from typing import Any
 
 from omnistage.errors import (
     DeadlineExceededError,
-    InvalidRequestError,
-    OverloadedError,
-    PipelineClosedError,
-    PipelineNotReadyError,
     RequestCancelledError,
     WorkerDiedError,
 )
@@ -35,9 +31,10 @@ from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
 from omnistage.ray_serve.calls import DriverPermits, ReplicaLink, StageCall, StageOpener
 from omnistage.ray_serve.options import deployment_name
 from omnistage.runtime.ledger import SlotBook
+from omnistage.runtime.lifecycle import drain_requests, refuse_unadmittable, wait_until_ready
 from omnistage.runtime.messages import Abort, Deliver, Emit, PermitsTaken
 from omnistage.runtime.replicas import Replica, ReplicaState
-from omnistage.runtime.routing import RequestRecord, Router, Sink, drain_requests, safe_sink
+from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
 from omnistage.runtime.shm import SegmentReader
 from omnistage.runtime.threads import start_without_stop_signals
 
@@ -120,18 +117,12 @@ class RayDriver:
             return {stage: live and ok for stage, ok in self._health.items()}
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self.ready:
-                if self.closed:
-                    raise PipelineClosedError(f"pipeline {self.spec.name!r} is closed")
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    waiting = [s for s, ok in self._health.items() if not ok]
-                    raise PipelineNotReadyError(
-                        f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})"
-                    )
-                self._cond.wait(left if left is not None else 1.0)
+            wait_until_ready(
+                self._cond, self.spec.name, timeout,
+                ready=lambda: self.ready, closed=lambda: self.closed,
+                waiting=lambda: [s for s, ok in self._health.items() if not ok],
+            )  # fmt: skip
 
     def close(self, drain_timeout: float = 30.0) -> None:
         with self._cond:
@@ -169,17 +160,8 @@ class RayDriver:
         params, deadline = check_request(spec, inputs, params, deadline)
         rid = request_id or uuid.uuid4().hex
         with self._lock:
-            if self.closing or self.closed or not self.started:
-                state = "not started" if not self.started else "closed"
-                raise PipelineClosedError(f"pipeline {spec.name!r} is {state}")
-            if len(self._requests) >= spec.max_queued_requests:
-                self.counts["rejected"] += 1
-                raise OverloadedError(
-                    f"pipeline {spec.name!r} is overloaded: {len(self._requests)} requests in flight "
-                    f"(max_queued_requests={spec.max_queued_requests}); retry later"
-                )
-            if rid in self._requests:
-                raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+            closing = self.closing or self.closed
+            refuse_unadmittable(spec, self._requests, rid, started=self.started, closing=closing, counts=self.counts)
             req = RequestRecord(rid, safe_sink(sink), params, deadline, open_stages=set(spec.stages))
             self._router.start(
                 req, {p: v for p, v in inputs.items() if self._router.port_edges[PIPELINE_INPUTS].get(p)}

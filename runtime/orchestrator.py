@@ -27,16 +27,13 @@ from typing import Any
 
 from omnistage.errors import (
     DeadlineExceededError,
-    InvalidRequestError,
-    OverloadedError,
-    PipelineClosedError,
-    PipelineNotReadyError,
     RequestCancelledError,
     StageError,
 )
 from omnistage.graph.inputs import check_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PipelineSpec
 from omnistage.runtime.ledger import EdgePermits, SlotBook
+from omnistage.runtime.lifecycle import drain_requests, refuse_unadmittable, wait_until_ready
 from omnistage.runtime.messages import (
     Consumed,
     Emit,
@@ -51,7 +48,7 @@ from omnistage.runtime.messages import (
 )
 from omnistage.runtime.recovery import Recovery
 from omnistage.runtime.replicas import Replica, ReplicaState, WorkerProcesses
-from omnistage.runtime.routing import RequestRecord, Router, Sink, drain_requests, safe_sink
+from omnistage.runtime.routing import RequestRecord, Router, Sink, safe_sink
 from omnistage.runtime.shm import (
     SegmentPool,
     SegmentReader,
@@ -145,26 +142,20 @@ class Orchestrator:
         return [f"{r.name}: {r.error}" for r in self._all_replicas if r.start_failed]
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                failed = [r for r in self._all_replicas if r.start_failed]
-                if failed:
-                    r = failed[0]
-                    pos = self.spec.stages[r.stage].pos  # the stage's place in the file, as YAML errors give it
-                    where = f" (stage defined at {pos})" if pos is not None else ""
-                    raise StageError(r.stage, f"replica {r.index} failed to start: {r.error}{where}")
-                if self.ready:
-                    return
-                if self.closed:
-                    raise PipelineClosedError(f"pipeline {self.spec.name!r} is closed")
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    waiting = [r.name for r in self._all_replicas if not r.ready]
-                    raise PipelineNotReadyError(
-                        f"pipeline {self.spec.name!r}: not ready after {timeout}s (waiting for {', '.join(waiting)})"
-                    )
-                self._cond.wait(left if left is not None else 1.0)
+            wait_until_ready(
+                self._cond, self.spec.name, timeout,
+                ready=lambda: self.ready, closed=lambda: self.closed,
+                waiting=lambda: [r.name for r in self._all_replicas if not r.ready], check=self._raise_start_failure,
+            )  # fmt: skip
+
+    def _raise_start_failure(self) -> None:
+        failed = [r for r in self._all_replicas if r.start_failed]
+        if failed:
+            r = failed[0]
+            pos = self.spec.stages[r.stage].pos  # the stage's place in the file, as YAML errors give it
+            where = f" (stage defined at {pos})" if pos is not None else ""
+            raise StageError(r.stage, f"replica {r.index} failed to start: {r.error}{where}")
 
     def close(self, drain_timeout: float = 30.0) -> None:
         with self._cond:
@@ -225,18 +216,8 @@ class Orchestrator:
     def _admit(self, rid: str, params: dict, sink: Sink, deadline: float | None, encoded: dict[str, Any]) -> str:
         spec = self.spec
         with self._lock:
-            if self.closing or self.closed or not self.started:
-                raise PipelineClosedError(
-                    f"pipeline {spec.name!r} is {'not started' if not self.started else 'closed'}"
-                )
-            if len(self._requests) >= spec.max_queued_requests:
-                self.counts["rejected"] += 1
-                raise OverloadedError(
-                    f"pipeline {spec.name!r} is overloaded: {len(self._requests)} requests in flight "
-                    f"(max_queued_requests={spec.max_queued_requests}); retry later"
-                )
-            if rid in self._requests:
-                raise InvalidRequestError(f"request id {rid!r} is already in flight", param="request_id")
+            closing = self.closing or self.closed
+            refuse_unadmittable(spec, self._requests, rid, started=self.started, closing=closing, counts=self.counts)
             req = RequestRecord(rid, safe_sink(sink), params, deadline, open_stages=set(spec.stages))
             if deadline is not None:
                 heapq.heappush(self._deadlines, (deadline, rid))

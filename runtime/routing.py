@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.errors import InvalidRequestError, PipelineClosedError, StageError, WorkerDiedError, invalid_request
+from omnistage.errors import InvalidRequestError, StageError, WorkerDiedError, invalid_request
 from omnistage.graph.spec import PIPELINE_INPUTS, PIPELINE_OUTPUTS, PipelineSpec
 from omnistage.runtime.ledger import EdgePermits, SlotBook
 from omnistage.runtime.messages import Abort, Credit, Deliver, Emit, PermitFreed, PermitsTaken, RequestMeta, send_msg
@@ -313,14 +312,3 @@ class Router:
 def _invalid(stage: str, msg: Emit) -> InvalidRequestError:
     """The request's own fault reported by a stage, with the stage's error code when it sent one."""
     return invalid_request(f"stage {stage!r}: {msg.error}", msg.param, msg.error_kind.partition(":")[2] or None)
-
-
-def drain_requests(cond: threading.Condition, requests: dict[str, RequestRecord], router: Router, pipeline: str,
-                   timeout: float) -> None:  # fmt: skip
-    """With `cond` held: waits up to `timeout` seconds for `requests` to finish (their ends notify
-    `cond`), then ends every one left with PipelineClosedError."""
-    end = time.monotonic() + max(0.0, timeout)
-    while requests and time.monotonic() < end:
-        cond.wait(min(0.1, max(0.0, end - time.monotonic())))
-    for req in list(requests.values()):
-        router.finish(req, PipelineClosedError(f"pipeline {pipeline!r} closed before the request finished"), "closed")
