@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import gc
 import json
 import os
 import signal
@@ -137,16 +138,23 @@ async def _submit_all(url: str, n: int, hook: str, concurrency: int = 16) -> lis
     results: list[tuple[str, float, float] | None] = [None] * n
     todo = iter(range(n))
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(url, connector=connector) as session:
+    # The client's own garbage collector stays off while it measures (as timeit does): a full
+    # collection over this process's heap (the python phase's torch objects) takes 50-100 ms,
+    # which every request in flight would count as the server's latency.
+    gc.disable()
+    try:
+        async with aiohttp.ClientSession(url, connector=connector) as session:
 
-        async def client():
-            for i in todo:
-                sent, t0 = time.time(), time.perf_counter()
-                async with session.post("/v1/jobs", json=_job(i, hook)) as r:
-                    job = await r.json()
-                results[i] = (job["id"], (time.perf_counter() - t0) * 1000, sent)
+            async def client():
+                for i in todo:
+                    sent, t0 = time.time(), time.perf_counter()
+                    async with session.post("/v1/jobs", json=_job(i, hook)) as r:
+                        job = await r.json()
+                    results[i] = (job["id"], (time.perf_counter() - t0) * 1000, sent)
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        gc.enable()
     return results
 
 
