@@ -36,6 +36,7 @@ _DELIVERY_FIELDS = "id job_id event_type url payload secret status attempts next
 
 class JobStore(Protocol):
     shared: bool  # several servers use it at once (leases decide who runs and delivers what)
+    inline_writes: bool  # a small write transaction is local and quick: it may run on the event loop
 
     def create_jobs(self, jobs: list[Job], max_queued_per_owner: int | None = None) -> list[Admitted]: ...
     def create_job(self, job: Job) -> tuple[Job, bool]: ...
@@ -73,6 +74,7 @@ class Database(Protocol):
 
     dialect: str
     shared: bool
+    inline_writes: bool
     skip_locked: str  # appended to a claim's SELECT: " FOR UPDATE SKIP LOCKED" where rows lock
 
     def read(self, sql: str, params: dict | None = None) -> list[dict]: ...
@@ -88,6 +90,7 @@ class SqlJobStore:
     def __init__(self, db: Database):
         self.db = db
         self.shared = db.shared
+        self.inline_writes = db.inline_writes
         db.migrate()
         if not self.shared:  # a lone server starting: no sender of its own holds a claim yet
             with db.transaction() as tx:
@@ -398,6 +401,7 @@ class SQLiteDatabase:
 
     dialect = "sqlite"
     shared = False  # one server per jobs directory (the routes' lock file)
+    inline_writes = True  # a local file in WAL mode: a small transaction takes about a millisecond
     skip_locked = ""  # BEGIN IMMEDIATE already holds the database's only write lock
 
     def __init__(self, path: str | Path):

@@ -28,6 +28,7 @@ def engine_url(url: str) -> str:
 class PostgresDatabase:
     dialect = "postgresql"
     shared = True
+    inline_writes = False  # each statement is a network round trip: never on the event loop
     skip_locked = " FOR UPDATE SKIP LOCKED"
 
     def __init__(self, url: str, pool_size: int = 4):
