@@ -4,10 +4,10 @@ Phases, one after the other, on tiny-image (64x64, 2 denoiser steps per job):
 - python: the same requests through `Pipeline.generate` in this process, at most
   OMNISTAGE_JOBS_MAX_RUNNING (8) at once, as the jobs scheduler admits them;
 - jobs: an `omnistage serve tiny-image` subprocess; all jobs POSTed at once over 16 aiohttp
-  connections (submit latency per request; the client's garbage collector off meanwhile), each with a webhook to a local aiohttp receiver
-  in a process of its own (bench/jobs_receiver.py), which tells the bench when every job has
-  ended (no polling); throughput from the first
-  submission to the last completion; webhook latency = arrival at the receiver minus the job's
+  connections (submit latency per request; the client's garbage collector off meanwhile),
+  each with a webhook to a local aiohttp receiver in a process of its own
+  (bench/jobs_receiver.py), which tells the bench when every job has ended (no polling);
+  throughput from the first submission to the last completion; webhook latency = arrival at the receiver minus the job's
   finished_at (same machine clock);
 - crash: a fresh server; jobs submitted with idempotency keys and webhooks, the server killed
   with SIGKILL (workers too) while they run, started again, every job resubmitted with its key.

@@ -205,8 +205,9 @@ class PipelineRegistry:
             if not self._closing.is_set():
                 self._fail(entry, exc)
             return
-        if entry.effective_spec is not None:
-            warm_serving(entry.effective_spec)  # before READY: no request waits for the first encode's imports
+        spec = entry.effective_spec
+        if spec is not None:
+            warm_serving(spec)  # before READY: no request waits for the first encode's imports
         if self._closing.is_set():
             return
         entry.load_seconds = time.monotonic() - started

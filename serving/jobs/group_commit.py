@@ -1,4 +1,4 @@
-"""GroupCommitter: writes that arrive together are stored in one transaction, off the event loop.
+"""GroupCommitter: writes that arrive together are stored in one transaction.
 
 A caller hands one item to `submit()` and awaits its result; `run()` takes everything pending
 (at most `max_batch`), calls `write(batch)` (one transaction) and answers each caller with its
